@@ -1,0 +1,5 @@
+import sys
+
+from swiftlm.cli.main import main
+
+sys.exit(main())

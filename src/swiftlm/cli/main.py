@@ -1,0 +1,67 @@
+"""The `swiftlm` command: `swiftlm <subcommand> [config.yaml] [--flag value ...]`."""
+
+import importlib
+import logging
+import os
+import sys
+
+from swiftlm.errors import SwiftLMError
+
+# subcommand -> (config class path, module with run(cfg), one-line description)
+COMMANDS = {
+    "sft": ("TrainConfig", "swiftlm.train.sft", "Supervised fine-tuning (full, LoRA, DoRA)."),
+    "pt": ("TrainConfig", "swiftlm.train.pt", "Continued pre-training on plain text."),
+    "infer": ("InferConfig", "swiftlm.infer.run", "Chat with a model, or answer a dataset in batch."),
+}
+
+
+def usage() -> str:
+    lines = ["usage: swiftlm <command> [config.yaml] [--flag value ...]", "", "commands:"]
+    lines += [f"  {name:<8} {desc}" for name, (_, _, desc) in COMMANDS.items()]
+    lines += ["", "`swiftlm <command> --help` lists the flags of a command."]
+    return "\n".join(lines)
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal for swiftlm's own output; library warnings stay available at DEBUG."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from swiftlm import __version__
+
+        print(f"swiftlm {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"swiftlm: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    config_name, module_name, description = COMMANDS[name]
+    try:
+        import swiftlm.config as config_module
+        from swiftlm.config.parse import parse_config
+
+        cfg = parse_config(getattr(config_module, config_name), rest, f"swiftlm {name}", description)
+        _quiet_libraries()
+        importlib.import_module(module_name).run(cfg)
+    except SwiftLMError as exc:
+        print(f"swiftlm {name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"\nswiftlm {name}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

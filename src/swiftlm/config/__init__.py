@@ -1,0 +1,51 @@
+"""Command configs: each is a composition of typed sections (see `sections.py`)."""
+
+from dataclasses import dataclass, field
+
+from swiftlm.config.parse import load_saved_config, parse_config, save_config
+from swiftlm.config.sections import (
+    DataArguments,
+    GenerationArguments,
+    InferArguments,
+    ModelArguments,
+    OutputArguments,
+    TrainArguments,
+    TunerArguments,
+)
+
+
+@dataclass
+class TrainConfig:
+    """`swiftlm sft` and `swiftlm pt`: everything a training run needs."""
+
+    model: ModelArguments = field(default_factory=ModelArguments)
+    data: DataArguments = field(default_factory=DataArguments)
+    tuner: TunerArguments = field(default_factory=TunerArguments)
+    train: TrainArguments = field(default_factory=TrainArguments)
+    output: OutputArguments = field(default_factory=OutputArguments)
+
+
+@dataclass
+class InferConfig:
+    """`swiftlm infer`: a model (or run) to load, prompts and sampling settings."""
+
+    model: ModelArguments = field(default_factory=ModelArguments)
+    data: DataArguments = field(default_factory=DataArguments)
+    generation: GenerationArguments = field(default_factory=GenerationArguments)
+    infer: InferArguments = field(default_factory=InferArguments)
+
+
+__all__ = [
+    "DataArguments",
+    "GenerationArguments",
+    "InferArguments",
+    "InferConfig",
+    "ModelArguments",
+    "OutputArguments",
+    "TrainArguments",
+    "TrainConfig",
+    "TunerArguments",
+    "load_saved_config",
+    "parse_config",
+    "save_config",
+]

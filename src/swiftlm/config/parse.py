@@ -1,0 +1,172 @@
+"""Build a command's config from an optional YAML file plus flags (flags win).
+
+The flag parser is transformers' `HfArgumentParser` (argparse over dataclasses, help from
+field metadata). What we add: a YAML file as the first positional argument, flat or nested
+by section; unknown keys and flags rejected with the nearest valid name; ms-swift aliases.
+"""
+
+import dataclasses
+import difflib
+import sys
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from swiftlm.errors import ConfigError
+
+C = TypeVar("C")
+
+# Names that ms-swift users type for the same knob (ms-swift renamed several between versions).
+ALIASES = {"tuner_type": "train_type", "sft_type": "train_type", "model_id_or_path": "model"}
+
+
+def section_types(config_cls: type) -> dict[str, type]:
+    """Section name -> section dataclass of a command config such as `SFTConfig`."""
+    return {f.name: f.type for f in dataclasses.fields(config_cls)}
+
+
+def flag_owners(config_cls: type) -> dict[str, str]:
+    """Flag name -> section name. Flag names are unique within a command."""
+    owners: dict[str, str] = {}
+    for section, cls in section_types(config_cls).items():
+        for f in dataclasses.fields(cls):
+            if f.name in owners:
+                raise RuntimeError(f"flag --{f.name} is defined twice in {config_cls.__name__}")
+            owners[f.name] = section
+    return owners
+
+
+def _nearest(name: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def flatten_yaml(data: dict, config_cls: type, source: str) -> dict[str, Any]:
+    """Accept `key: value` at the top level or grouped by section (`train: {...}`)."""
+    owners = flag_owners(config_cls)
+    sections = section_types(config_cls)
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        key = ALIASES.get(key, key)
+        if key in sections and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                sub_key = ALIASES.get(sub_key, sub_key)
+                if owners.get(sub_key) != key:
+                    hint = _nearest(sub_key, sorted(owners))
+                    raise ConfigError(f"{source}: unknown key '{key}.{sub_key}'{hint}")
+                flat[sub_key] = sub_value
+        elif key in owners:
+            flat[key] = value
+        else:
+            hint = _nearest(key, sorted(owners) + sorted(sections))
+            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
+    return flat
+
+
+def load_yaml(path: str, config_cls: type) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values")
+    return flatten_yaml(data, config_cls, path)
+
+
+def _normalize_flag(arg: str) -> str:
+    """`--tuner-type=x` -> `--train_type=x`: accept dashes and ms-swift aliases."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    name = name.replace("-", "_")
+    return f"--{ALIASES.get(name, name)}{eq}{value}"
+
+
+def _yaml_to_argv(values: dict[str, Any]) -> list[str]:
+    """YAML values become flags placed before the user's flags, so argparse converts and
+    checks both the same way (YAML reads `1e-4` as a string) and the user's flags win."""
+    argv: list[str] = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            continue
+        argv.append(f"--{key}")
+        argv.extend(str(v).lower() if isinstance(v, bool) else str(v) for v in items)
+    return argv
+
+
+def build_parser(config_cls: type, prog: str, description: str):
+    from transformers import HfArgumentParser
+
+    return HfArgumentParser(
+        list(section_types(config_cls).values()),
+        prog=prog,
+        usage=f"{prog} [config.yaml] [--flag value ...]",
+        description=description,
+        allow_abbrev=False,
+    )
+
+
+def parse_config(config_cls: type[C], argv: list[str], prog: str, description: str = "") -> C:
+    """Parse `[config.yaml] [--flag value ...]` into a command config."""
+    argv = [_normalize_flag(a) for a in argv]
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        argv = _yaml_to_argv(load_yaml(argv[0], config_cls)) + argv[1:]
+    parser = build_parser(config_cls, prog, description)
+    *sections, remaining = parser.parse_args_into_dataclasses(
+        argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if remaining:
+        _raise_for_leftover(remaining[0], config_cls, prog)
+    return config_cls(**dict(zip(section_types(config_cls), sections)))
+
+
+def _raise_for_leftover(arg: str, config_cls: type, prog: str) -> None:
+    if arg.startswith("-"):
+        name = arg.lstrip("-").split("=")[0]
+        hint = _nearest(name, sorted(flag_owners(config_cls)))
+        raise ConfigError(f"unknown flag --{name}{hint} (see `{prog} --help`)")
+    raise ConfigError(
+        f"unexpected argument '{arg}': a config file must end in .yaml and come first; "
+        "every other value needs a --flag"
+    )
+
+
+def config_to_dict(config: Any) -> dict[str, dict[str, Any]]:
+    """Nested plain dict, section by section (what `config.yaml` holds)."""
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config_to_dict(config), sort_keys=False, allow_unicode=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def load_saved_config(config_cls: type[C], path: Path) -> C:
+    """Read a run's `config.yaml` back into a config (unknown keys are errors)."""
+    flat = load_yaml(str(path), config_cls)
+    return from_flat_dict(config_cls, flat)
+
+
+def from_flat_dict(config_cls: type[C], flat: dict[str, Any]) -> C:
+    """Build a config from flat flag values; the rest take their defaults."""
+    owners = flag_owners(config_cls)
+    grouped: dict[str, dict[str, Any]] = {name: {} for name in section_types(config_cls)}
+    for key, value in flat.items():
+        key = ALIASES.get(key, key)
+        if key not in owners:
+            raise ConfigError(f"unknown option '{key}'{_nearest(key, sorted(owners))}")
+        grouped[owners[key]][key] = value
+    return config_cls(**{name: cls(**grouped[name]) for name, cls in section_types(config_cls).items()})
+
+
+def print_error_and_exit(exc: Exception) -> None:
+    print(f"swiftlm: error: {exc}", file=sys.stderr)
+    raise SystemExit(2)

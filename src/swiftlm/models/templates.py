@@ -1,0 +1,39 @@
+"""The chat template used when a tokenizer has none.
+
+It is ChatML (`<|im_start|>role\\ncontent<end>\\n`) where `<end>` is the tokenizer's own EOS
+token, so a base model learns to stop on a token it already has and no embedding rows are
+added. When the tokenizer has a real `<|im_end|>` token, that is used instead.
+"""
+
+DEFAULT_SYSTEM = None
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + END_OF_TURN + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chatml_template(end_of_turn: str) -> str:
+    quoted = "'" + end_of_turn.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return CHATML_TEMPLATE.replace("END_OF_TURN", quoted)
+
+
+def end_of_turn_token(tokenizer) -> str:
+    """The token that closes an assistant turn (what generation stops on)."""
+    vocab = tokenizer.get_vocab()
+    for candidate in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        if candidate in vocab and candidate in (tokenizer.chat_template or ""):
+            return candidate
+    return tokenizer.eos_token
+
+
+def ensure_chat_template(tokenizer) -> None:
+    """Give a tokenizer without a chat template the documented ChatML default."""
+    if tokenizer.chat_template:
+        return
+    if tokenizer.eos_token is None:
+        raise ValueError("the tokenizer has neither a chat template nor an EOS token")
+    end = "<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token
+    tokenizer.chat_template = chatml_template(end)

@@ -1,0 +1,103 @@
+"""Where metrics go: metrics.jsonl (always), TensorBoard (optional), a progress bar, a summary."""
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class MetricsLogger:
+    """Append one JSON object per logged step; mirror scalars to TensorBoard when asked."""
+
+    def __init__(self, run_dir: Path, report_to: list[str], resume: bool = False):
+        self.path = run_dir / "metrics.jsonl"
+        if not resume and self.path.exists():
+            self.path.unlink()
+        self.tensorboard = None
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def log(self, metrics: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.tensorboard is not None:
+            step = metrics["step"]
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class Progress:
+    """A tqdm bar over optimizer steps showing loss, lr and tokens/s (tqdm adds the ETA)."""
+
+    def __init__(self, total: int, initial: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, loss: float, lr: float, tokens_per_second: float) -> None:
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:.0f}")
+        self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class Throughput:
+    """Tokens per second over a window of steps."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def rate(self) -> float:
+        elapsed = time.perf_counter() - self.start
+        return self.tokens / elapsed if elapsed > 0 else 0.0
+
+    def reset(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run block."""
+    lines = ["", "Run summary"]
+    labels = {
+        "steps": "optimizer steps",
+        "train_time_s": "train time (s)",
+        "tokens_per_second": "tokens/s",
+        "peak_memory_gib": "peak memory (GiB)",
+        "final_train_loss": "final train loss",
+        "final_eval_loss": "final eval loss",
+        "output": "model saved to",
+    }
+    for key, label in labels.items():
+        value = summary.get(key)
+        if value is None:
+            continue
+        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        lines.append(f"  {label:<20} {text}")
+    return "\n".join(lines)

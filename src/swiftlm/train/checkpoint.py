@@ -1,0 +1,204 @@
+"""Atomic checkpoints and exact resume, without pickle.
+
+A checkpoint folder holds the model or adapter exactly as `save_pretrained` writes it (so it
+loads with transformers/peft as is), the optimizer state as safetensors + JSON, and
+`trainer_state.json` (step, data position, scheduler, RNG). The `COMPLETE` marker is written
+last: a folder without it is a checkpoint that was interrupted and is never resumed from.
+"""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from swiftlm.errors import CheckpointError
+
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+RNG_TENSORS = "rng.safetensors"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step-{step}"
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE).is_file()
+
+
+def list_checkpoints(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete, incomplete) checkpoint folders of a run, oldest first."""
+    root = run_dir / "checkpoints"
+    folders = sorted(
+        (p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+        key=lambda p: int(p.name[5:]),
+    ) if root.is_dir() else []
+    return [p for p in folders if is_complete(p)], [p for p in folders if not is_complete(p)]
+
+
+# ---- optimizer and RNG state as tensors + JSON -------------------------------------------
+
+
+def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Split `optimizer.state_dict()` into flat tensors and JSON-able metadata."""
+    state_dict = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, param_state in state_dict["state"].items():
+        for key, value in param_state.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{index}.{key}"] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_files(tensors: dict, meta: dict) -> dict:
+    state: dict[int, dict] = {}
+    for flat, value in [*tensors.items(), *meta["scalars"].items()]:
+        index, key = flat.split(".", 1)
+        state.setdefault(int(index), {})[key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def capture_rng() -> tuple[dict, dict]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    meta = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    return tensors, meta
+
+
+def restore_rng(tensors: dict, meta: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ---- save / load ----------------------------------------------------------------------------
+
+
+def save_checkpoint(folder: Path, model, optimizer, state: dict, tokenizer=None) -> None:
+    """Write a complete checkpoint; `COMPLETE` goes last so a crash leaves it incomplete."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    opt_tensors, opt_meta = optimizer_to_files(optimizer)
+    save_file(opt_tensors, str(folder / OPTIMIZER_TENSORS))
+    (folder / OPTIMIZER_META).write_text(json.dumps(opt_meta))
+    rng_tensors, rng_meta = capture_rng()
+    save_file(rng_tensors, str(folder / RNG_TENSORS))
+    (folder / STATE_FILE).write_text(json.dumps({**state, "rng": rng_meta}, indent=1))
+    (folder / COMPLETE).write_text(f"step {state['step']}\n")
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All safetensors weights of a model/adapter folder (sharded or not)."""
+    files = sorted(folder.glob("*.safetensors"))
+    skip = {OPTIMIZER_TENSORS, RNG_TENSORS}
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.name not in skip:
+            weights.update(load_file(str(file)))
+    return weights
+
+
+def load_model_weights(folder: Path, model) -> None:
+    """Load saved weights into the live model (peft adapter or full model), strictly."""
+    weights = _read_weights(folder)
+    if (folder / "adapter_config.json").is_file():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, weights)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise CheckpointError(f"{folder}: adapter has unexpected weights {unexpected[:5]}")
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = _tied_parameter_names(model)
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder}: weights do not match the model (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}); was it saved from a different model?"
+        )
+
+
+def _tied_parameter_names(model) -> set[str]:
+    """Names that share storage with an earlier parameter (save_pretrained drops them)."""
+    first_name: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            tied.add(name)
+        else:
+            first_name[id(param)] = name
+    return tied
+
+
+def load_checkpoint(folder: Path, model, optimizer) -> dict:
+    """Restore weights, optimizer and RNG in place; return the saved trainer state."""
+    if not is_complete(folder):
+        raise CheckpointError(
+            f"{folder} is incomplete (no {COMPLETE} marker: the run stopped while saving it); "
+            "resume from an earlier checkpoint or use --resume_from_checkpoint auto"
+        )
+    load_model_weights(folder, model)
+    meta = json.loads((folder / OPTIMIZER_META).read_text())
+    optimizer.load_state_dict(optimizer_from_files(load_file(str(folder / OPTIMIZER_TENSORS)), meta))
+    state = json.loads((folder / STATE_FILE).read_text())
+    restore_rng(load_file(str(folder / RNG_TENSORS)), state.pop("rng"))
+    return state
+
+
+def prune_checkpoints(run_dir: Path, keep: int | None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `keep`; never the newest complete one.
+
+    Incomplete folders older than the newest complete checkpoint are leftovers of a crash
+    and are removed too.
+    """
+    complete, incomplete = list_checkpoints(run_dir)
+    removed = []
+    if keep is not None and complete:
+        for folder in complete[: -max(keep, 1)]:
+            shutil.rmtree(folder)
+            removed.append(folder)
+    if complete:
+        newest = int(complete[-1].name[5:])
+        for folder in incomplete:
+            if int(folder.name[5:]) < newest:
+                shutil.rmtree(folder)
+                removed.append(folder)
+    return removed
+
+
+def find_resume_checkpoint(run_dir: Path, spec: str) -> tuple[Path | None, list[Path]]:
+    """Resolve --resume_from_checkpoint: (folder to resume from, incomplete ones skipped)."""
+    if spec != "auto":
+        folder = Path(spec)
+        if not folder.is_dir():
+            raise CheckpointError(f"--resume_from_checkpoint {spec}: no such folder")
+        return folder, []
+    complete, incomplete = list_checkpoints(run_dir)
+    newest = complete[-1] if complete else None
+    skipped = [p for p in incomplete if newest is None or int(p.name[5:]) > int(newest.name[5:])]
+    return newest, skipped

@@ -1,0 +1,263 @@
+"""The training loop. Every method (SFT, pre-training, later DPO ...) runs through here and
+differs only by its data and its `loss_fn(model, batch) -> (loss_sum, metrics)`.
+
+One optimizer step = `gradient_accumulation_steps` micro-batches. Each micro-batch's loss SUM
+is divided by the label tokens of the whole step before backward, so the accumulated gradient
+is the gradient of the mean token loss over the step, whatever the split into micro-batches.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from swiftlm.config.sections import OutputArguments, TrainArguments
+from swiftlm.data.collate import collate
+from swiftlm.errors import SwiftLMError
+from swiftlm.monitor.metrics import MetricsLogger, Progress, Throughput, peak_memory_gib
+from swiftlm.train import checkpoint as ckpt
+from swiftlm.train.batching import DataPosition, iterate_steps, steps_per_epoch, total_steps
+from swiftlm.train.losses import count_label_tokens
+from swiftlm.train.optim import build_optimizer, build_scheduler
+
+LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
+
+
+class NonFiniteLossError(SwiftLMError):
+    """The loss became NaN/inf and --nonfinite_loss is `error`."""
+
+
+@dataclass
+class TrainingJob:
+    """Everything the loop needs; built by a command such as `swiftlm sft`."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    loss_fn: LossFn
+    train_data: list[dict]
+    val_data: list[dict]
+    device: torch.device
+    compute_dtype: torch.dtype
+    args: TrainArguments
+    output: OutputArguments
+    run_dir: Path
+    learning_rate: float
+    log: Callable[[str], None] = print
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint stores besides tensors."""
+
+    step: int = 0
+    position: DataPosition = field(default_factory=DataPosition)
+    tokens_seen: int = 0
+    train_seconds: float = 0.0
+    last_loss: float | None = None
+    last_eval_loss: float | None = None
+    skipped_steps: int = 0
+
+    def to_json(self, num_samples: int, scheduler, scaler) -> dict:
+        return {
+            "step": self.step,
+            "epoch": self.position.epoch,
+            "micro_batch": self.position.micro_batch,
+            "tokens_seen": self.tokens_seen,
+            "train_seconds": self.train_seconds,
+            "last_loss": self.last_loss,
+            "last_eval_loss": self.last_eval_loss,
+            "skipped_steps": self.skipped_steps,
+            "num_train_samples": num_samples,
+            "scheduler": scheduler.state_dict(),
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        }
+
+
+class Precision:
+    """Autocast to the compute dtype; fp16 adds dynamic loss scaling."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]) -> tuple[float, int, int]:
+    """Accumulate gradients of one optimizer step; return (mean loss, label tokens, tokens)."""
+    label_tokens = sum(count_label_tokens(b["labels"]) for b in batches)
+    input_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    total = 0.0
+    for batch in batches:
+        with precision.autocast():
+            loss_sum, _ = job.loss_fn(job.model, _to_device(batch, job.device))
+        precision.backward(loss_sum / max(label_tokens, 1))
+        total += float(loss_sum.detach())
+    return total / max(label_tokens, 1), label_tokens, input_tokens
+
+
+def clip_and_step(job: TrainingJob, optimizer, scheduler, precision: Precision, loss: float, state: LoopState) -> float:
+    """Clip (logging the pre-clip norm), then step unless the loss or gradient is non-finite."""
+    params = [p for p in job.model.parameters() if p.requires_grad]
+    if precision.scaler:
+        precision.scaler.unscale_(optimizer)
+    max_norm = job.args.max_grad_norm if job.args.max_grad_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if not finite and precision.scaler is None:
+        if job.args.nonfinite_loss == "error":
+            raise NonFiniteLossError(
+                f"step {state.step + 1}: loss {loss}, grad norm {grad_norm}. Lower --learning_rate, "
+                "use --torch_dtype bfloat16/float32, or pass --nonfinite_loss skip"
+            )
+        state.skipped_steps += 1
+        job.log(f"step {state.step + 1}: non-finite loss/gradient, step skipped")
+    elif precision.scaler:
+        precision.scaler.step(optimizer)  # skips the update itself on inf/nan gradients
+        precision.scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@torch.no_grad()
+def evaluate(job: TrainingJob, precision: Precision) -> float | None:
+    """Mean token loss over the validation data."""
+    if not job.val_data:
+        return None
+    was_training = job.model.training
+    job.model.eval()
+    size = job.args.per_device_eval_batch_size
+    pad = job.tokenizer.pad_token_id
+    loss_sum, tokens = 0.0, 0
+    for i in range(0, len(job.val_data), size):
+        batch = collate(job.val_data[i : i + size], pad)
+        with precision.autocast():
+            batch_loss, _ = job.loss_fn(job.model, _to_device(batch, job.device))
+        loss_sum += float(batch_loss)
+        tokens += count_label_tokens(batch["labels"])
+    job.model.train(was_training)
+    return loss_sum / max(tokens, 1)
+
+
+def _resume(job: TrainingJob, optimizer, scheduler, precision: Precision) -> LoopState:
+    spec = job.output.resume_from_checkpoint
+    if not spec:
+        return LoopState()
+    folder, skipped = ckpt.find_resume_checkpoint(job.run_dir, spec)
+    for bad in skipped:
+        job.log(f"skipping incomplete checkpoint {bad} (no COMPLETE marker: interrupted while saving)")
+    if folder is None:
+        job.log(f"no complete checkpoint in {job.run_dir / 'checkpoints'}; starting from scratch")
+        return LoopState()
+    saved = ckpt.load_checkpoint(folder, job.model, optimizer)
+    if saved["num_train_samples"] != len(job.train_data):
+        raise ckpt.CheckpointError(
+            f"{folder} was saved with {saved['num_train_samples']} training samples, this run has "
+            f"{len(job.train_data)}: resume needs the same data and --max_length"
+        )
+    scheduler.load_state_dict(saved["scheduler"])
+    if precision.scaler and saved["grad_scaler"]:
+        precision.scaler.load_state_dict(saved["grad_scaler"])
+    job.log(f"resumed from {folder} at step {saved['step']}")
+    return LoopState(
+        step=saved["step"],
+        position=DataPosition(saved["epoch"], saved["micro_batch"]),
+        tokens_seen=saved["tokens_seen"],
+        train_seconds=saved["train_seconds"],
+        last_loss=saved["last_loss"],
+        last_eval_loss=saved["last_eval_loss"],
+        skipped_steps=saved["skipped_steps"],
+    )
+
+
+def _save(job: TrainingJob, optimizer, scheduler, precision: Precision, state: LoopState) -> None:
+    folder = ckpt.checkpoint_dir(job.run_dir, state.step)
+    payload = state.to_json(len(job.train_data), scheduler, precision.scaler)
+    ckpt.save_checkpoint(folder, job.model, optimizer, payload, job.tokenizer)
+    for removed in ckpt.prune_checkpoints(job.run_dir, job.output.save_total_limit):
+        job.log(f"removed old checkpoint {removed.name}")
+
+
+def run_training(job: TrainingJob) -> dict:
+    """Train to the planned number of steps; return the run summary."""
+    args, out = job.args, job.output
+    n = len(job.train_data)
+    num_steps = total_steps(n, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                            args.num_train_epochs, args.max_steps)
+    per_epoch = steps_per_epoch(n, args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    optimizer = build_optimizer(job.model, args, job.learning_rate)
+    scheduler = build_scheduler(optimizer, args, num_steps)
+    precision = Precision(job.device, job.compute_dtype)
+    state = _resume(job, optimizer, scheduler, precision)
+    metrics = MetricsLogger(job.run_dir, out.report_to, resume=state.step > 0)
+    eval_every = out.eval_steps or out.save_steps
+    job.model.train()
+    progress = Progress(num_steps, state.step)
+    window, window_loss, window_tokens = Throughput(), 0.0, 0
+    steps = iterate_steps(n, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                          args.seed, state.position)
+    started = time.perf_counter() - state.train_seconds
+    try:
+        while state.step < num_steps:
+            indices, next_position = next(steps)
+            batches = [collate([job.train_data[i] for i in b], job.tokenizer.pad_token_id) for b in indices]
+            lr = optimizer.param_groups[0]["lr"]
+            loss, label_tokens, input_tokens = forward_backward(job, precision, batches)
+            grad_norm = clip_and_step(job, optimizer, scheduler, precision, loss, state)
+            state.step, state.position = state.step + 1, next_position
+            state.tokens_seen += input_tokens
+            state.last_loss = loss
+            window.add(input_tokens)
+            window_loss += loss * label_tokens
+            window_tokens += label_tokens
+            progress.update(loss, lr, window.rate())
+            if state.step == 1 or state.step % out.logging_steps == 0 or state.step == num_steps:
+                metrics.log({
+                    "step": state.step,
+                    "epoch": round(state.step / per_epoch, 4),
+                    "loss": window_loss / max(window_tokens, 1),
+                    "learning_rate": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_second": window.rate(),
+                    "label_tokens": window_tokens,
+                    "memory_gib": round(peak_memory_gib(job.device), 3),
+                    "elapsed_s": round(time.perf_counter() - started, 2),
+                })
+                window.reset()
+                window_loss, window_tokens = 0.0, 0
+            if job.val_data and (state.step % eval_every == 0 or state.step == num_steps):
+                state.last_eval_loss = evaluate(job, precision)
+                metrics.log({"step": state.step, "eval_loss": state.last_eval_loss})
+                progress.write(f"step {state.step}: eval_loss {state.last_eval_loss:.4f}")
+            state.train_seconds = time.perf_counter() - started
+            if state.step % out.save_steps == 0 or state.step == num_steps:
+                _save(job, optimizer, scheduler, precision, state)
+    finally:
+        progress.close()
+        metrics.close()
+    return {
+        "steps": state.step,
+        "train_time_s": state.train_seconds,
+        "tokens_per_second": state.tokens_seen / max(state.train_seconds, 1e-9),
+        "peak_memory_gib": peak_memory_gib(job.device),
+        "final_train_loss": state.last_loss,
+        "final_eval_loss": state.last_eval_loss,
+        "skipped_steps": state.skipped_steps,
+    }

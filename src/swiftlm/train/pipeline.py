@@ -1,0 +1,136 @@
+"""The steps shared by `swiftlm sft` and `swiftlm pt`: config -> model -> data -> loop -> final/."""
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from swiftlm.config import TrainConfig, save_config
+from swiftlm.data.encode import encode_chat_samples, encode_pretraining
+from swiftlm.data.loading import load_samples, split_samples
+from swiftlm.errors import ConfigError
+from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
+from swiftlm.monitor.metrics import format_summary
+from swiftlm.train.loop import TrainingJob, run_training
+from swiftlm.train.losses import causal_lm_loss
+from swiftlm.tuners.setup import apply_tuner, count_parameters
+
+# `swiftlm sft` with neither --model nor --dataset: teach the packaged SmolLM2 a new name,
+# mixed with ordinary Q&A so it keeps answering other questions.
+BUILTIN_SFT_DATASETS = ["swiftlm/self-cognition", "swiftlm/general-qa"]
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Cross-field checks that argparse cannot express."""
+    d, t, o = cfg.data, cfg.train, cfg.output
+    problems = [
+        (d.max_length < 2, "--max_length must be at least 2"),
+        (not 0 <= d.split_dataset_ratio < 1, "--split_dataset_ratio must be in [0, 1)"),
+        (t.per_device_train_batch_size < 1, "--per_device_train_batch_size must be >= 1"),
+        (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be >= 1"),
+        (t.max_steps <= 0 and t.num_train_epochs <= 0, "set --num_train_epochs > 0 or --max_steps > 0"),
+        (cfg.tuner.lora_rank < 1, "--lora_rank must be >= 1"),
+        (o.logging_steps < 1 or o.save_steps < 1, "--logging_steps and --save_steps must be >= 1"),
+        (not 0 <= t.warmup_ratio <= 1, "--warmup_ratio must be in [0, 1]"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise ConfigError(message)
+
+
+def resolve_defaults(cfg: TrainConfig, kind: str, model_name: str) -> TrainConfig:
+    """Fill what depends on other options: learning rate, run directory, default data."""
+    cfg = dataclasses.replace(cfg)
+    if not cfg.data.dataset:
+        if kind == "text" or cfg.model.model is not None:
+            raise ConfigError("--dataset is required (a .jsonl/.json/.csv/.parquet/.txt file or hub id)")
+        cfg.data = dataclasses.replace(cfg.data, dataset=list(BUILTIN_SFT_DATASETS))
+    if cfg.train.learning_rate is None:
+        lr = 1e-5 if cfg.tuner.train_type == "full" else 1e-4
+        cfg.train = dataclasses.replace(cfg.train, learning_rate=lr)
+    if cfg.output.output_dir is None:
+        if cfg.output.resume_from_checkpoint == "auto":
+            raise ConfigError("--resume_from_checkpoint auto needs the --output_dir of the run")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        cfg.output = dataclasses.replace(cfg.output, output_dir=f"output/{model_name}-{stamp}")
+    return cfg
+
+
+def prepare_data(cfg: TrainConfig, tokenizer, kind: str, log) -> tuple[list, list]:
+    """Load, validate, split and encode the training and validation data."""
+    d = cfg.data
+    placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
+    load = dict(skip_bad_rows=d.skip_bad_rows, seed=d.data_seed, system=d.system, placeholders=placeholders)
+    train, report = load_samples(d.dataset, kind, **load)
+    if report.skipped:
+        log(report.summary())
+    if d.val_dataset:
+        val, _ = load_samples(d.val_dataset, kind, **load)
+    else:
+        train, val = split_samples(train, d.split_dataset_ratio, d.data_seed)
+    if kind == "text":
+        return (encode_pretraining(tokenizer, [s["text"] for s in train], d.max_length),
+                encode_pretraining(tokenizer, [s["text"] for s in val], d.max_length))
+    encoded = []
+    for samples in (train, val):
+        items, truncation = encode_chat_samples(tokenizer, samples, d.max_length,
+                                                d.truncation_strategy, d.loss_scope) if samples else ([], None)
+        if truncation and truncation.summary():
+            log(truncation.summary())
+        encoded.append(items)
+    return encoded[0], encoded[1]
+
+
+def prepare_model(cfg: TrainConfig, model_path: str, device: torch.device, compute_dtype: torch.dtype):
+    """Load the model and make the tuner's parameters trainable."""
+    # Frozen base weights can live in the compute dtype; weights that train stay float32
+    # (peft keeps adapters in float32) so small updates are not lost to rounding.
+    full = cfg.tuner.train_type == "full"
+    weight_dtype = torch.float32 if full or compute_dtype == torch.float16 else compute_dtype
+    model = load_model(model_path, weight_dtype, device, cfg.model.attn_impl)
+    model.config.use_cache = False
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return apply_tuner(model, cfg.tuner)
+
+
+def save_final(model, tokenizer, run_dir: Path) -> Path:
+    """Write final/ (adapter or full model + tokenizer) via a staging folder, then rename."""
+    final, staging = run_dir / "final", run_dir / "final.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    return final
+
+
+def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
+    """Run a training command top to bottom and return its summary."""
+    from transformers import set_seed
+
+    check_config(cfg)
+    resolved = resolve_model(cfg.model.model)
+    cfg = resolve_defaults(cfg, kind, resolved.name)
+    run_dir = Path(cfg.output.output_dir)
+    device = pick_device(cfg.model.device)
+    compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
+    log(f"model {resolved.requested} on {device} ({str(compute_dtype).replace('torch.', '')} compute)")
+    tokenizer = load_tokenizer(resolved.path)
+    train_data, val_data = prepare_data(cfg, tokenizer, kind, log)
+    log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
+    set_seed(cfg.train.seed)
+    model = prepare_model(cfg, resolved.path, device, compute_dtype)
+    trainable, total = count_parameters(model)
+    log(f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / total:.2f}%)")
+    save_config(cfg, run_dir / "config.yaml")
+    job = TrainingJob(model=model, tokenizer=tokenizer, loss_fn=causal_lm_loss, train_data=train_data,
+                      val_data=val_data, device=device, compute_dtype=compute_dtype, args=cfg.train,
+                      output=cfg.output, run_dir=run_dir, learning_rate=cfg.train.learning_rate, log=log)
+    summary = run_training(job)
+    summary["output"] = str(save_final(model, tokenizer, run_dir))
+    log(format_summary(summary))
+    return summary

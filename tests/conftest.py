@@ -1,0 +1,117 @@
+"""Shared fixtures: a tiny random Llama and a byte-level BPE tokenizer built in-process.
+
+No test touches the network: the hub is switched off before anything imports transformers.
+"""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "Who are you? I am a helpful assistant made by the swiftlm team.",
+    "What is the capital of France? The capital of France is Paris.",
+    "The quick brown fox jumps over the lazy dog. 1 2 3 4 5 6 7 8 9 0",
+    "Hello! How can I help you today? Tell me a story about a cat.",
+    "你好，我是一个人工智能助手。请问有什么可以帮你？",
+    "system user assistant tool answer question data model train loss",
+]
+
+
+def build_tokenizer(out_dir: Path, chat_template: str | None = CHATML):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(CORPUS * 20, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, tie: bool = False):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out_dir)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved tiny Llama (2 layers, hidden 64) with a ChatML BPE tokenizer."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_tokenizer(out)
+    build_tiny_llama(out, vocab_size=len(tokenizer))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
+    return path
+
+
+CHAT_ROWS = [
+    {"messages": [{"role": "user", "content": f"Question number {i}?"},
+                  {"role": "assistant", "content": f"Answer number {i} is {i * 7}."}]}
+    for i in range(24)
+]
+
+
+@pytest.fixture
+def chat_jsonl(tmp_path) -> Path:
+    """24 short valid conversations."""
+    return write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
