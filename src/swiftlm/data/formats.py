@@ -1,0 +1,293 @@
+"""Detect a row's dataset format and normalize it to canonical chat messages or plain text.
+
+Canonical messages are `[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]`.
+Accepted row formats, tried in this order:
+
+- messages: `{"messages": [{"role": ..., "content": ...}, ...]}` (OpenAI / ms-swift style)
+- ShareGPT: `{"conversations": [{"from": "human", "value": ...}, ...], "system"?: ...}`
+- Alpaca: `{"instruction": ..., "input"?: ..., "output": ..., "system"?: ..., "history"?: ...}`
+- query/response: `{"query": ..., "response": ..., "history"?: [[q, r], ...], "system"?: ...}`
+
+A field whose value is None counts as absent (parquet and hub datasets fill missing
+columns with None). Problems raise `RowError`, whose `kind` is a short category for counting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROW_ERROR_KINDS = (
+    "invalid JSON",
+    "invalid CSV",
+    "not an object",
+    "no recognizable format",
+    "unknown role",
+    "empty content",
+    "empty assistant answer",
+    "wrong role order",
+    "no answer",
+    "empty text",
+    "bad field type",
+)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# ms-swift spellings of tool messages in the `messages` format.
+MESSAGE_ROLE_ALIASES = {
+    **{role: role for role in ROLES},
+    "function": "tool",
+    "tool_response": "tool",
+    "tool_call": "assistant",
+}
+
+MESSAGE_ROLES = "system, user, assistant or tool"
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+SHAREGPT_ROLE_NAMES = "human, gpt, system, tool, function or observation"
+
+ACCEPTED_FORMATS = (
+    "'messages' (role/content list), 'conversations' (ShareGPT), "
+    "'instruction' + 'output' (Alpaca), 'query' + 'response'"
+)
+
+# Which roles may follow a given role; None is the start of the conversation.
+ALLOWED_NEXT = {
+    None: ("user",),
+    "system": ("user",),
+    "user": ("assistant",),
+    "assistant": ("user", "tool"),
+    "tool": ("assistant", "tool"),
+}
+
+
+class RowError(ValueError):
+    """One dataset row that cannot be used; `kind` is one of ROW_ERROR_KINDS."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def to_messages(record: dict, *, require_answer: bool = True) -> list[dict]:
+    """Normalize one row of any accepted chat format to checked canonical messages.
+
+    Extra per-message keys (e.g. `name`, `loss`) are dropped. Raises RowError.
+    """
+    messages = _convert(record)
+    check_conversation(messages, require_answer=require_answer)
+    return messages
+
+
+def to_text(record: dict) -> str:
+    """Return the pre-training text of one row.
+
+    Uses the `text` field; a row without one but in a chat format is accepted too, its
+    message contents joined with blank lines ("\\n\\n"), in order and without role names.
+    """
+    text = record.get("text")
+    if text is None:
+        if not _has_chat_format(record):
+            keys = sorted(record)
+            raise RowError(
+                "no recognizable format",
+                f"no recognizable format: found keys {keys}; expected 'text' or a chat "
+                f"format: {ACCEPTED_FORMATS}",
+            )
+        text = "\n\n".join(m["content"] for m in _convert(record) if m["content"].strip())
+    if not isinstance(text, str):
+        raise RowError("bad field type", f"'text' must be a string, got {_type(text)}")
+    if not text.strip():
+        raise RowError("empty text", "empty text")
+    return text
+
+
+def check_conversation(messages: list[dict], require_answer: bool = True) -> None:
+    """Check roles, role order and contents of canonical messages; raise RowError if bad.
+
+    Training data (`require_answer=True`) must end with an assistant answer; inference
+    prompts (`require_answer=False`) may end with a user or tool message.
+    """
+    previous = None
+    for index, message in enumerate(messages, start=1):
+        role, content = _message_fields(message, index, "role", "content")
+        if role not in ROLES:
+            raise RowError(
+                "unknown role",
+                f"unknown role {role!r} in message {index}; expected {MESSAGE_ROLES}",
+            )
+        _check_order(previous, role, index)
+        _check_content(role, content, index)
+        previous = role
+    if previous in (None, "system"):
+        raise RowError("empty content", "empty content: the conversation has no user message")
+    if require_answer and previous != "assistant":
+        raise RowError(
+            "no answer",
+            f"no answer: the conversation ends with a {previous!r} message "
+            f"(message {len(messages)}); training needs an assistant answer last",
+        )
+
+
+def _check_order(previous: str | None, role: str, index: int) -> None:
+    if role == "system":
+        if index == 1:
+            return
+        raise RowError(
+            "wrong role order",
+            f"wrong role order: message {index} is 'system'; a system message is only "
+            "allowed first",
+        )
+    allowed = ALLOWED_NEXT[previous]
+    if role not in allowed:
+        where = "at the start" if previous in (None, "system") else f"after {previous!r}"
+        expected = " or ".join(repr(r) for r in allowed)
+        raise RowError(
+            "wrong role order",
+            f"wrong role order: message {index} is {role!r} {where}; expected {expected}",
+        )
+
+
+def _check_content(role: str, content: str, index: int) -> None:
+    # An empty system prompt is harmless; an empty turn teaches or asks nothing.
+    if role == "system" or content.strip():
+        return
+    if role == "assistant":
+        raise RowError("empty assistant answer", f"empty assistant answer in message {index}")
+    raise RowError("empty content", f"empty content in {role} message {index}")
+
+
+def _convert(record: dict) -> list[dict]:
+    """Detect the row's format and convert it to (unchecked) canonical messages."""
+    if record.get("messages") is not None:
+        return _from_role_list(record["messages"], "messages", "role", "content")
+    if record.get("conversations") is not None:
+        return _with_system(record, _from_sharegpt(record["conversations"]))
+    if _present(record, "instruction", "output"):
+        prompt = _string(record, "instruction")
+        extra = _string(record, "input", required=False)
+        if extra.strip():
+            prompt = f"{prompt}\n{extra}"
+        return _with_system(record, _history(record) + _turn(prompt, _string(record, "output")))
+    if _present(record, "query", "response"):
+        turn = _turn(_string(record, "query"), _string(record, "response"))
+        return _with_system(record, _history(record) + turn)
+    raise RowError(
+        "no recognizable format",
+        f"no recognizable format: found keys {sorted(record)}; expected {ACCEPTED_FORMATS}",
+    )
+
+
+def _has_chat_format(record: dict) -> bool:
+    return (
+        record.get("messages") is not None
+        or record.get("conversations") is not None
+        or _present(record, "instruction", "output")
+        or _present(record, "query", "response")
+    )
+
+
+def _from_sharegpt(turns: Any) -> list[dict]:
+    # Some ShareGPT exports use role/content keys inside `conversations`.
+    if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" not in turns[0]:
+        return _from_role_list(turns, "conversations", "role", "content")
+    return _from_role_list(turns, "conversations", "from", "value")
+
+
+def _from_role_list(turns: Any, field: str, role_key: str, content_key: str) -> list[dict]:
+    """Convert a list of {role_key, content_key} turns, mapping role names of that format."""
+    aliases, expected = (
+        (MESSAGE_ROLE_ALIASES, MESSAGE_ROLES)
+        if field == "messages"
+        else (SHAREGPT_ROLES, SHAREGPT_ROLE_NAMES)
+    )
+    if not isinstance(turns, list):
+        raise RowError("bad field type", f"{field!r} must be a list, got {_type(turns)}")
+    messages = []
+    for index, turn in enumerate(turns, start=1):
+        role, content = _message_fields(turn, index, role_key, content_key)
+        if role not in aliases:
+            raise RowError(
+                "unknown role", f"unknown role {role!r} in message {index}; expected {expected}"
+            )
+        messages.append({"role": aliases[role], "content": content})
+    return messages
+
+
+def _message_fields(turn: Any, index: int, role_key: str, content_key: str) -> tuple[str, str]:
+    if not isinstance(turn, dict):
+        raise RowError(
+            "bad field type",
+            f"message {index} is {_type(turn)}; expected an object with "
+            f"{role_key!r} and {content_key!r}",
+        )
+    role, content = turn.get(role_key), turn.get(content_key)
+    if not isinstance(role, str):
+        raise RowError(
+            "bad field type", f"message {index} has no string {role_key!r} (got {_type(role)})"
+        )
+    if not isinstance(content, str):
+        raise RowError(
+            "bad field type",
+            f"message {index} ({role}) {content_key!r} must be a string, got {_type(content)}",
+        )
+    return role, content
+
+
+def _history(record: dict) -> list[dict]:
+    history = record.get("history")
+    if history is None:
+        return []
+    if not isinstance(history, list):
+        raise RowError(
+            "bad field type",
+            f"'history' must be a list of [query, response] pairs, got {_type(history)}",
+        )
+    messages = []
+    for index, pair in enumerate(history, start=1):
+        is_pair = isinstance(pair, (list, tuple)) and len(pair) == 2
+        if not is_pair or not all(isinstance(text, str) for text in pair):
+            raise RowError(
+                "bad field type",
+                f"'history' item {index} must be a [query, response] pair of strings",
+            )
+        messages += _turn(pair[0], pair[1])
+    return messages
+
+
+def _with_system(record: dict, messages: list[dict]) -> list[dict]:
+    system = _string(record, "system", required=False)
+    if not system.strip():
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _turn(prompt: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+def _string(record: dict, key: str, required: bool = True) -> str:
+    value = record.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise RowError("bad field type", f"{key!r} must be a string, got {_type(value)}")
+    return value
+
+
+def _present(record: dict, *keys: str) -> bool:
+    return all(record.get(key) is not None for key in keys)
+
+
+def _type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__

@@ -1,0 +1,183 @@
+"""Load, validate, sample and split datasets into canonical samples.
+
+Every row of every dataset is read and validated before anything is returned, so a bad
+row stops the run before the first training step, with all bad rows listed as
+`file:line: reason`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+from swiftlm.data.formats import RowError, to_messages, to_text
+from swiftlm.data.sources import NOT_AN_OBJECT, RawRow, parse_dataset_spec, read_rows
+from swiftlm.errors import DataError
+
+MAX_LISTED_BAD_ROWS = 20
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A row that failed validation: where it is, why, and the RowError kind for counting."""
+
+    source: str
+    line: int
+    reason: str
+    kind: str = ""
+
+
+@dataclass
+class LoadReport:
+    """What loading read and dropped.
+
+    `rows_read` counts rows per source file (hub id for hub datasets); `samples` counts the
+    samples each spec contributed after `#N` sampling; `skipped` counts dropped rows by
+    RowError kind.
+    """
+
+    rows_read: Counter[str] = field(default_factory=Counter)
+    samples: dict[str, int] = field(default_factory=dict)
+    skipped: Counter[str] = field(default_factory=Counter)
+    bad_rows: list[BadRow] = field(default_factory=list)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows_read.values())
+
+    def summary(self) -> str:
+        """One line, e.g. "skipped 3 bad rows: 2 empty assistant answer, 1 invalid JSON"."""
+        total = sum(self.skipped.values())
+        if not total:
+            return "no bad rows"
+        ranked = sorted(self.skipped.items(), key=lambda item: (-item[1], item[0]))
+        counts = ", ".join(f"{count} {kind}" for kind, count in ranked)
+        return f"skipped {total} bad row{'s' if total != 1 else ''}: {counts}"
+
+
+class DataValidationError(DataError):
+    """Some rows are invalid; the message lists the first ones as `file:line: reason`."""
+
+    def __init__(self, bad_rows: list[BadRow], total: int):
+        self.bad_rows = bad_rows
+        self.total = total
+        lines = [f"{row.source}:{row.line}: {row.reason}" for row in bad_rows[:MAX_LISTED_BAD_ROWS]]
+        if len(bad_rows) > MAX_LISTED_BAD_ROWS:
+            lines.append(f"... and {len(bad_rows) - MAX_LISTED_BAD_ROWS} more")
+        lines.append(
+            f"{len(bad_rows)} of {total} rows are invalid; fix them or pass --skip_bad_rows "
+            "to skip them"
+        )
+        super().__init__("\n".join(lines))
+
+
+def load_samples(
+    specs: list[str],
+    kind: Literal["chat", "text"],
+    *,
+    skip_bad_rows: bool = False,
+    seed: int = 42,
+    system: str | None = None,
+    placeholders: dict[str, str] | None = None,
+    require_answer: bool = True,
+) -> tuple[list[dict], LoadReport]:
+    """Read, validate and mix datasets into samples, in spec order (the loop shuffles).
+
+    Chat samples are `{"messages": [...], "source": "path:line"}`, text samples
+    `{"text": str, "source": "path:line"}`. Every row is validated first; bad rows raise
+    DataValidationError unless `skip_bad_rows`, which drops them and counts them in the
+    report. Then, for chat samples, `system` is inserted first in conversations without a
+    system message, and each `placeholders` key (e.g. "{{NAME}}") is replaced by its value
+    in all message contents of every dataset. Text samples are left as written (code
+    corpora may contain "{{...}}"). A `path#N` spec then contributes N samples: a seeded
+    subset when N <= its size, otherwise every row repeated plus a seeded remainder.
+    """
+    report = LoadReport()
+    per_spec = [_validate(spec, kind, require_answer, report) for spec in specs]
+    if report.bad_rows:
+        if not skip_bad_rows:
+            raise DataValidationError(report.bad_rows, report.total_rows)
+        report.skipped.update(row.kind for row in report.bad_rows)
+    samples = []
+    for spec, valid in zip(specs, per_spec, strict=True):
+        _, count = parse_dataset_spec(spec)
+        if count is not None:
+            valid = sample_rows(valid, count, seed=f"{seed}:{spec}")
+        report.samples[spec] = len(valid)
+        samples += valid
+    if not samples:
+        raise DataError(f"no valid samples in dataset(s) {', '.join(specs) or '(none given)'}")
+    if kind == "chat":
+        samples = [_fill_chat(sample, system, placeholders or {}) for sample in samples]
+    return samples, report
+
+
+def _validate(spec: str, kind: str, require_answer: bool, report: LoadReport) -> list[dict]:
+    """Convert every row of one spec; bad rows go to report.bad_rows with their reason."""
+    path, _ = parse_dataset_spec(spec)
+    valid = []
+    for row in read_rows(path):
+        report.rows_read[row.source] += 1
+        try:
+            valid.append(_to_sample(row, kind, require_answer))
+        except RowError as e:
+            report.bad_rows.append(BadRow(row.source, row.line, str(e), e.kind))
+    return valid
+
+
+def _to_sample(row: RawRow, kind: str, require_answer: bool) -> dict:
+    if row.record is None:
+        error = row.error or "unreadable row"
+        if error == NOT_AN_OBJECT:
+            raise RowError("not an object", error)
+        raise RowError("invalid CSV" if error.startswith("invalid CSV") else "invalid JSON", error)
+    source = f"{row.source}:{row.line}"
+    if kind == "text":
+        return {"text": to_text(row.record), "source": source}
+    return {"messages": to_messages(row.record, require_answer=require_answer), "source": source}
+
+
+def _fill_chat(sample: dict, system: str | None, placeholders: dict[str, str]) -> dict:
+    messages = [dict(message) for message in sample["messages"]]
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    for message in messages:
+        for key, value in placeholders.items():
+            message["content"] = message["content"].replace(key, value)
+    return {**sample, "messages": messages}
+
+
+def sample_rows(rows: list, count: int, seed: int | str) -> list:
+    """Take `count` rows, deterministic for `seed`, keeping file order within each pass.
+
+    count <= len(rows): a random subset without replacement. Otherwise every row
+    count // len(rows) times, then a random subset for the remainder (oversampling).
+    """
+    if not rows:
+        return []
+    rng = random.Random(seed)
+    repeats, remainder = divmod(count, len(rows))
+    picked = sorted(rng.sample(range(len(rows)), remainder))
+    return rows * repeats + [rows[i] for i in picked]
+
+
+def split_samples(samples: list, ratio: float, seed: int) -> tuple[list, list]:
+    """Hold out round(ratio * n) samples, chosen by a seeded shuffle, for validation.
+
+    Returns (train, validation), each in the original order. At least one sample is held
+    out when ratio > 0 and there are two or more, and at least one is always kept for
+    training.
+    """
+    if not 0 <= ratio < 1:
+        raise DataError(f"split_dataset_ratio must be in [0, 1), got {ratio}")
+    n = len(samples)
+    # A requested split needs a sample on both sides, however small the ratio or the data.
+    held_out = min(max(round(ratio * n), 1), n - 1) if ratio > 0 and n >= 2 else 0
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    val_indices = set(order[:held_out])
+    train = [s for i, s in enumerate(samples) if i not in val_indices]
+    val = [s for i, s in enumerate(samples) if i in val_indices]
+    return train, val

@@ -1,0 +1,113 @@
+"""Batch inference: answer every conversation of `--val_dataset` and write them as JSONL.
+
+Each output line is
+`{"messages": [...prompt...], "response": str, "labels": str | null, "source": "path:line"}`,
+in input order. A conversation that ends with an assistant message has that message taken
+out of the prompt and stored as `labels` (the reference answer).
+"""
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+from swiftlm.config import InferConfig
+from swiftlm.data.loading import load_samples
+from swiftlm.errors import ConfigError
+from swiftlm.infer.engine import InferEngine
+from swiftlm.infer.resolve import InferenceModel
+
+
+def run_batch(engine: InferEngine, cfg: InferConfig, spec: InferenceModel) -> list[dict]:
+    """Answer all `--val_dataset` samples, write the results file, return its records."""
+    samples = load_prompts(cfg, spec.system)
+    path = result_path(cfg, spec)
+    make_parent(path)  # fail before generating, not after
+    prompts, labels = zip(*(split_reference(s["messages"]) for s in samples), strict=True)
+    start, tokens_before = time.perf_counter(), engine.generated_tokens
+    responses = generate_in_batches(engine, list(prompts), cfg)
+    seconds = time.perf_counter() - start
+    records = [
+        {"messages": prompt, "response": response, "labels": label, "source": sample["source"]}
+        for prompt, response, label, sample in zip(prompts, responses, labels, samples, strict=True)
+    ]
+    write_results(path, records)
+    tokens = engine.generated_tokens - tokens_before
+    print(
+        f"Answered {len(records)} samples in {seconds:.1f} s "
+        f"({tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s); results: {path}",
+        flush=True,
+    )
+    return records
+
+
+def load_prompts(cfg: InferConfig, system: str | None) -> list[dict]:
+    """The `--val_dataset` conversations; they may end with a user message (no answer)."""
+    samples, report = load_samples(
+        cfg.data.val_dataset,
+        "chat",
+        skip_bad_rows=cfg.data.skip_bad_rows,
+        seed=cfg.data.data_seed,
+        system=system,
+        placeholders={"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author},
+        require_answer=False,
+    )
+    if report.skipped:
+        print(f"--val_dataset: {report.summary()}", flush=True)
+    return samples
+
+
+def split_reference(messages: list[dict]) -> tuple[list[dict], str | None]:
+    """(prompt, reference answer): a trailing assistant message becomes the reference."""
+    if messages and messages[-1]["role"] == "assistant":
+        return messages[:-1], messages[-1]["content"]
+    return messages, None
+
+
+def generate_in_batches(
+    engine: InferEngine, prompts: list[list[dict]], cfg: InferConfig
+) -> list[str]:
+    """Answers in input order, generated `--max_batch_size` prompts at a time.
+
+    Prompts are grouped by length so a batch wastes little compute on padding.
+    """
+    from tqdm import tqdm
+
+    order = sorted(range(len(prompts)), key=lambda i: sum(len(m["content"]) for m in prompts[i]))
+    size = cfg.infer.max_batch_size
+    responses: list[str | None] = [None] * len(prompts)
+    with tqdm(total=len(prompts), unit="sample", desc="infer", disable=len(prompts) <= size) as bar:
+        for begin in range(0, len(order), size):
+            indices = order[begin : begin + size]
+            answers = engine.generate([prompts[i] for i in indices], cfg.generation)
+            for i, answer in zip(indices, answers, strict=True):
+                responses[i] = answer
+            bar.update(len(indices))
+    return responses
+
+
+def result_path(cfg: InferConfig, spec: InferenceModel) -> Path:
+    """--result_path, else `<run or checkpoint dir, or cwd>/infer_result/<timestamp>.jsonl`."""
+    if cfg.infer.result_path:
+        return Path(cfg.infer.result_path).expanduser()
+    root = Path(spec.ckpt_dir) if spec.ckpt_dir else Path.cwd()
+    return root / "infer_result" / f"{datetime.now():%Y%m%d-%H%M%S}.jsonl"
+
+
+def make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--result_path {path}: cannot create its folder ({exc})") from None
+
+
+def write_results(path: Path, records: list[dict]) -> None:
+    """Write the JSONL atomically, so a reader never sees half a results file."""
+    staging = path.with_name(path.name + ".tmp")
+    try:
+        with staging.open("w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        staging.replace(path)
+    except OSError as exc:
+        raise ConfigError(f"--result_path {path}: cannot write the results ({exc})") from None

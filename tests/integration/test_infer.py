@@ -1,0 +1,375 @@
+"""`swiftlm infer` end to end on the tiny Llama: resolving runs, batching, chat, adapters."""
+
+import io
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from swiftlm.config import (
+    DataArguments,
+    GenerationArguments,
+    InferConfig,
+    ModelArguments,
+    TrainConfig,
+    save_config,
+)
+from swiftlm.errors import CheckpointError, ConfigError
+from swiftlm.infer import run as run_module
+from swiftlm.infer.engine import TransformersEngine, build_engine
+from swiftlm.infer.resolve import resolve_inference_model
+from swiftlm.infer.run import run
+
+SYSTEM = "You are Swifty."
+GREEDY = GenerationArguments(max_new_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny model is far faster on one thread; several threads spin against each other
+    # when other test processes share the CPU.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def save_lora_adapter(base_dir: Path, folders: list[Path]) -> None:
+    """A LoRA on the tiny model with random lora_B, so it really changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    for folder in folders:
+        model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """A finished LoRA run: config.yaml, final/ (+ tokenizer), one complete and one
+    interrupted checkpoint."""
+    from transformers import AutoTokenizer
+
+    run = tmp_path_factory.mktemp("run")
+    final, step2, step3 = (
+        run / "final",
+        run / "checkpoints" / "step-2",
+        run / "checkpoints" / "step-3",
+    )
+    save_lora_adapter(tiny_model_dir, [final, step2, step3])
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(final)
+    (step2 / "COMPLETE").write_text("step 2\n")
+    config = TrainConfig(
+        model=ModelArguments(model=str(tiny_model_dir), torch_dtype="float32"),
+        data=DataArguments(system=SYSTEM),
+    )
+    save_config(config, run / "config.yaml")
+    return run
+
+
+def infer_config(**infer) -> InferConfig:
+    cfg = InferConfig(generation=GREEDY)
+    cfg.infer = replace(cfg.infer, **infer)
+    return cfg
+
+
+def base_config(tiny_model_dir) -> InferConfig:
+    cfg = InferConfig(generation=GREEDY)
+    cfg.model = ModelArguments(model=str(tiny_model_dir), torch_dtype="float32")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def run_engine(run_dir) -> TransformersEngine:
+    cfg = infer_config(ckpt_dir=str(run_dir))
+    return build_engine(resolve_inference_model(cfg), cfg.model, seed=42)
+
+
+# ---- resolving what to load ------------------------------------------------------------------
+
+
+def test_run_dir_final_and_checkpoint_resolve_to_the_same_model(run_dir, tiny_model_dir):
+    from_run = resolve_inference_model(infer_config(ckpt_dir=str(run_dir)))
+    from_final = resolve_inference_model(infer_config(ckpt_dir=str(run_dir / "final")))
+    step2 = run_dir / "checkpoints" / "step-2"
+    from_step = resolve_inference_model(infer_config(ckpt_dir=str(step2)))
+    from_adapters_flag = resolve_inference_model(infer_config(adapters=[str(run_dir)]))
+
+    assert from_run == from_final == from_adapters_flag
+    assert from_run.base_path == str(tiny_model_dir.resolve())
+    assert from_run.adapters == (str((run_dir / "final").resolve()),)
+    assert from_run.tokenizer_path == str(run_dir / "final")  # keeps the trained template
+    assert (from_run.system, from_run.torch_dtype) == (SYSTEM, "float32")  # from config.yaml
+    assert from_run.ckpt_dir == str(run_dir)
+    # The checkpoint has no tokenizer files, so its tokenizer comes from the base model.
+    assert from_step.adapters == (str(step2.resolve()),)
+    assert from_step.tokenizer_path == from_step.base_path == from_run.base_path
+    assert (from_step.system, from_step.torch_dtype, from_step.ckpt_dir) == (
+        SYSTEM,
+        "float32",
+        str(run_dir),
+    )
+
+
+def test_user_flags_beat_the_run_config(run_dir):
+    cfg = infer_config(ckpt_dir=str(run_dir))
+    cfg.data = DataArguments(system="Be brief.")
+    cfg.model = ModelArguments(torch_dtype="bfloat16")
+    spec = resolve_inference_model(cfg)
+    assert (spec.system, spec.torch_dtype) == ("Be brief.", "bfloat16")
+
+
+def test_adapter_outside_a_run_takes_its_base_from_adapter_config(tmp_path, tiny_model_dir):
+    save_lora_adapter(tiny_model_dir, [tmp_path / "adapter"])
+    spec = resolve_inference_model(infer_config(adapters=[str(tmp_path / "adapter")]))
+    assert spec.base_path == str(tiny_model_dir.resolve())
+    assert spec.adapters == (str((tmp_path / "adapter").resolve()),)
+    assert (spec.tokenizer_path, spec.system, spec.torch_dtype) == (spec.base_path, None, "auto")
+    assert spec.ckpt_dir == str(tmp_path / "adapter")
+
+
+def test_full_model_folder_loads_directly(tiny_model_dir):
+    spec = resolve_inference_model(infer_config(ckpt_dir=str(tiny_model_dir)))
+    assert (spec.base_path, spec.adapters) == (str(tiny_model_dir.resolve()), ())
+    assert spec.tokenizer_path == spec.base_path
+
+
+def test_run_without_final_lists_complete_checkpoints(run_dir, tmp_path):
+    broken = tmp_path / "broken-run"
+    (broken / "checkpoints" / "step-1").mkdir(parents=True)
+    (broken / "checkpoints" / "step-1" / "COMPLETE").write_text("step 1\n")
+    (broken / "checkpoints" / "step-2").mkdir()  # interrupted: not offered
+    (broken / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    with pytest.raises(CheckpointError) as info:
+        resolve_inference_model(infer_config(ckpt_dir=str(broken)))
+    step1 = broken / "checkpoints" / "step-1"
+    assert str(info.value) == (
+        f"--ckpt_dir {broken}: the run has no final/ model (training did not finish?). "
+        f"Complete checkpoints: {step1}; pass one as --ckpt_dir, e.g. --ckpt_dir {step1}"
+    )
+
+
+def test_incomplete_checkpoint_is_refused(run_dir):
+    step3 = run_dir / "checkpoints" / "step-3"
+    step2 = run_dir / "checkpoints" / "step-2"
+    with pytest.raises(CheckpointError) as info:
+        resolve_inference_model(infer_config(ckpt_dir=str(step3)))
+    assert str(info.value) == (
+        f"--ckpt_dir {step3}: this checkpoint is incomplete (no COMPLETE marker: the run "
+        f"stopped while saving it). Complete checkpoints: {step2}; pass one as --ckpt_dir, "
+        f"e.g. --ckpt_dir {step2}"
+    )
+
+
+def test_conflicting_model_flags_are_config_errors(run_dir):
+    with pytest.raises(ConfigError, match="--ckpt_dir and --adapters both given"):
+        resolve_inference_model(infer_config(ckpt_dir=str(run_dir), adapters=[str(run_dir)]))
+    cfg = InferConfig(model=ModelArguments(model=str(run_dir)))
+    with pytest.raises(ConfigError, match=f"load it with --ckpt_dir {run_dir}"):
+        resolve_inference_model(cfg)
+
+
+# ---- generation -------------------------------------------------------------------------------
+
+
+PROMPTS = [
+    [{"role": "user", "content": "Hi"}],
+    [
+        {"role": "system", "content": "You are a helpful assistant made by the swiftlm team."},
+        {"role": "user", "content": "What is the capital of France? Tell me a story about a cat."},
+    ],
+    [
+        {"role": "user", "content": "Who are you?"},
+        {"role": "assistant", "content": "I am a helpful assistant."},
+        {"role": "user", "content": "The quick brown fox?"},
+    ],
+]
+
+
+def test_batched_greedy_equals_one_by_one(run_engine):
+    batched = run_engine.generate(PROMPTS, GREEDY)
+    single = [run_engine.generate([p], GREEDY)[0] for p in PROMPTS]
+    assert batched == single
+    assert len(set(single)) == 3  # distinct answers: a mix-up between rows would show
+    # The prompts differ in length, so the batch really was padded.
+    lengths = {len(run_engine._encode([p])["input_ids"][0]) for p in PROMPTS}
+    assert len(lengths) == 3
+
+
+def test_stream_yields_the_greedy_answer(run_engine):
+    pieces = list(run_engine.stream(PROMPTS[1], GREEDY))
+    assert len(pieces) > 1
+    assert "".join(pieces) == run_engine.generate([PROMPTS[1]], GREEDY)[0]
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(run_engine):
+    from transformers import set_seed
+
+    sampled = replace(GREEDY, temperature=1.5)
+    set_seed(7)
+    first = run_engine.generate(PROMPTS, sampled)
+    set_seed(7)
+    assert run_engine.generate(PROMPTS, sampled) == first
+    assert first != run_engine.generate(PROMPTS, GREEDY)
+    top1 = replace(sampled, top_k=1)
+    assert run_engine.generate(PROMPTS, top1) == run_engine.generate(PROMPTS, GREEDY)
+
+
+def test_stream_reraises_a_generation_error(run_engine, monkeypatch):
+    def fail(**kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(run_engine.model, "generate", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        list(run_engine.stream(PROMPTS[0], GREEDY))
+
+
+def test_generation_stops_at_end_of_turn(run_engine):
+    assert run_engine.stop_token_ids == [run_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_adapter_is_applied(run_engine, run_dir, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_cfg = base_config(tiny_model_dir)
+    base_engine = build_engine(resolve_inference_model(base_cfg), base_cfg.model, seed=42)
+    assert base_engine.generate(PROMPTS, GREEDY) != run_engine.generate(PROMPTS, GREEDY)
+    # The merged weights compute what peft's unmerged adapter computes.
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, run_dir / "final").eval()
+    inputs = run_engine._encode(PROMPTS)
+    with torch.inference_mode():
+        expected = reference(**inputs).logits
+        actual = run_engine.model(**inputs).logits
+        plain = base_engine.model(**inputs).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    assert (actual - plain).abs().max() > 0.1
+
+
+# ---- batch mode -------------------------------------------------------------------------------
+
+
+def test_batch_mode_writes_one_line_per_sample_in_order(run_dir, run_engine, tmp_path, capsys):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"},
+            ]
+        },
+        {"messages": PROMPTS[1][1:]},
+        {"messages": PROMPTS[2]},
+        {"instruction": "Who are you?", "output": "I am {{NAME}}."},
+    ]
+    data = write_jsonl(tmp_path / "val.jsonl", rows)
+    result = tmp_path / "out" / "result.jsonl"
+    cfg = infer_config(ckpt_dir=str(run_dir), result_path=str(result), max_batch_size=3)
+    cfg.data = DataArguments(val_dataset=[str(data)])
+
+    records = run(cfg)
+
+    lines = [json.loads(line) for line in result.read_text(encoding="utf-8").splitlines()]
+    assert lines == records
+    assert [r["source"] for r in lines] == [f"{data}:{i}" for i in range(1, 5)]
+    assert [r["labels"] for r in lines] == ["Hello!", None, None, "I am Swifty."]
+    system = {"role": "system", "content": SYSTEM}  # inherited from the run's config.yaml
+    prompts = [
+        [system, {"role": "user", "content": "Hi"}],
+        [system, *PROMPTS[1][1:]],
+        [system, *PROMPTS[2]],
+        [system, {"role": "user", "content": "Who are you?"}],
+    ]
+    assert [r["messages"] for r in lines] == prompts
+    assert [r["response"] for r in lines] == [run_engine.generate([p], GREEDY)[0] for p in prompts]
+    assert set(lines[0]) == {"messages", "response", "labels", "source"}
+    out = capsys.readouterr().out
+    assert "Answered 4 samples in " in out and f"results: {result}" in out
+
+
+def test_batch_mode_default_result_path_is_in_the_run(run_dir, tmp_path):
+    data = write_jsonl(tmp_path / "val.jsonl", [{"messages": PROMPTS[0]}])
+    cfg = infer_config(ckpt_dir=str(run_dir / "final"))
+    cfg.data = DataArguments(val_dataset=[str(data)])
+    run(cfg)
+    written = list((run_dir / "infer_result").glob("*.jsonl"))
+    assert len(written) == 1
+    assert json.loads(written[0].read_text())["source"] == f"{data}:1"
+
+
+# ---- interactive chat -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_keeps_history_and_prints_answers(run_dir, monkeypatch, capsys, stream):
+    calls = []
+    method = "stream" if stream else "generate"
+    original = getattr(TransformersEngine, method)
+
+    def spy(self, conversations, gen):
+        conversation = conversations if stream else conversations[0]
+        calls.append([dict(m) for m in conversation])
+        result = original(self, conversations, gen)
+        return list(result) if stream else result
+
+    monkeypatch.setattr(TransformersEngine, method, spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Who are you?\nWhat is the capital of France?\n"))
+    cfg = infer_config(ckpt_dir=str(run_dir), stream=stream)
+
+    assert run(cfg) is None
+
+    system = {"role": "system", "content": SYSTEM}
+    first = {"role": "user", "content": "Who are you?"}
+    second = {"role": "user", "content": "What is the capital of France?"}
+    assert len(calls) == 2
+    assert calls[0] == [system, first]
+    engine = build_engine(resolve_inference_model(cfg), cfg.model, seed=42)
+    answer1 = engine.generate([[system, first]], GREEDY)[0]
+    assert calls[1] == [system, first, {"role": "assistant", "content": answer1}, second]
+    answer2 = engine.generate([calls[1]], GREEDY)[0]
+    transcript = capsys.readouterr().out.split("\n", 1)[1]  # after the "Loading ..." line
+    assert (
+        transcript
+        == f"<<< {first['content']}\n>>> {answer1}\n<<< {second['content']}\n>>> {answer2}\n"
+    )
+
+
+def test_chat_commands_clear_and_exit(run_dir, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(
+        TransformersEngine, "generate", lambda self, convs, gen: calls.append(convs[0]) or ["ok"]
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO("one\nclear\n\ntwo\nexit\nthree\n"))
+    run(infer_config(ckpt_dir=str(run_dir), stream=False))
+    system = {"role": "system", "content": SYSTEM}
+    assert calls == [
+        [system, {"role": "user", "content": "one"}],
+        [system, {"role": "user", "content": "two"}],  # history was cleared; "three" never asked
+    ]
+    assert capsys.readouterr().out.split("\n", 1)[1] == (
+        "<<< one\n>>> ok\n<<< clear\nHistory cleared.\n<<< \n<<< two\n>>> ok\n<<< exit\n"
+    )
+
+
+def test_bad_generation_flags_fail_before_loading(monkeypatch):
+    monkeypatch.setattr(run_module, "resolve_inference_model", None)  # fails if reached
+    cfg = InferConfig(generation=GenerationArguments(temperature=-1, top_p=0))
+    with pytest.raises(ConfigError) as info:
+        run(cfg)
+    assert str(info.value) == (
+        "--temperature -1 must be 0 (greedy) or more; --top_p 0 must be in (0, 1]"
+    )

@@ -1,0 +1,133 @@
+"""Chat encoding: the label spans are exactly the assistant answers plus the end-of-turn token."""
+
+import pytest
+from conftest import build_tokenizer
+
+from swiftlm.data.encode import (
+    IGNORE_INDEX,
+    TruncationReport,
+    encode_chat,
+    encode_chat_samples,
+    encode_pretraining,
+    truncate,
+)
+from swiftlm.models.templates import ensure_chat_template
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Who are you?"},
+    {"role": "assistant", "content": "I am a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+]
+
+# SmolLM2's own template: it injects a default system prompt when there is none.
+SMOLLM_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def label_spans(encoded: dict) -> list[list[int]]:
+    """Contiguous runs of labelled token ids."""
+    spans, current = [], []
+    for label in encoded["labels"]:
+        if label == IGNORE_INDEX:
+            if current:
+                spans.append(current)
+            current = []
+        else:
+            current.append(label)
+    return spans + ([current] if current else [])
+
+
+def test_assistant_spans_are_exactly_answers_plus_end_of_turn(tiny_tokenizer):
+    encoded = encode_chat(tiny_tokenizer, CONVERSATION, "assistant")
+    decoded = [tiny_tokenizer.decode(span) for span in label_spans(encoded)]
+    assert decoded == [
+        "I am a helpful assistant.<|im_end|>",
+        "The capital of France is Paris.<|im_end|>",
+    ]
+    assert len(encoded["input_ids"]) == len(encoded["labels"])
+
+
+def test_last_turn_scope_keeps_only_the_final_answer(tiny_tokenizer):
+    encoded = encode_chat(tiny_tokenizer, CONVERSATION, "last_turn")
+    decoded = [tiny_tokenizer.decode(span) for span in label_spans(encoded)]
+    assert decoded == ["The capital of France is Paris.<|im_end|>"]
+
+
+def test_all_scope_labels_every_token(tiny_tokenizer):
+    encoded = encode_chat(tiny_tokenizer, CONVERSATION, "all")
+    assert encoded["labels"] == encoded["input_ids"]
+
+
+def test_template_with_injected_system_prompt(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, chat_template=SMOLLM_TEMPLATE)
+    encoded = encode_chat(tokenizer, CONVERSATION[1:3], "assistant")
+    assert [tokenizer.decode(s) for s in label_spans(encoded)] == [
+        "I am a helpful assistant.<|im_end|>"
+    ]
+    assert "named SmolLM" in tokenizer.decode(encoded["input_ids"])
+
+
+def test_default_chatml_template_ends_turns_with_eos(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, chat_template=None)
+    tokenizer.chat_template = None
+    tokenizer.eos_token = "<|endoftext|>"
+    ensure_chat_template(tokenizer)
+    # The tokenizer has a real <|im_end|> token, so the default uses it as end of turn.
+    encoded = encode_chat(tokenizer, CONVERSATION[1:3], "assistant")
+    assert [tokenizer.decode(s) for s in label_spans(encoded)] == [
+        "I am a helpful assistant.<|im_end|>"
+    ]
+
+
+def test_truncation_strategies_count_and_cut():
+    sample = {"input_ids": list(range(10)), "labels": [IGNORE_INDEX] * 4 + list(range(4, 10))}
+    report = TruncationReport("right", 6)
+    assert truncate(sample, 6, "right", report)["input_ids"] == [0, 1, 2, 3, 4, 5]
+    assert truncate(sample, 6, "left", report)["labels"] == [4, 5, 6, 7, 8, 9]
+    assert truncate(sample, 6, "delete", report) is None
+    assert truncate(sample, 12, "delete", report) is sample
+    assert report.counts == {"truncated": 2, "deleted": 1}
+    prompt_only = {"input_ids": list(range(10)), "labels": [IGNORE_INDEX] * 8 + [8, 9]}
+    assert truncate(prompt_only, 5, "right", report) is None
+    assert report.counts["dropped (no answer tokens left)"] == 1
+
+
+def test_encode_chat_samples_reports_deleted(tiny_tokenizer):
+    long = {"messages": [{"role": "user", "content": "word " * 80},
+                         {"role": "assistant", "content": "ok"}], "source": "x.jsonl:1"}
+    short = {"messages": CONVERSATION[1:3], "source": "x.jsonl:2"}
+    encoded, report = encode_chat_samples(tiny_tokenizer, [long, short], 40, "delete", "assistant")
+    assert len(encoded) == 1
+    assert report.counts == {"deleted": 1}
+    assert "1 deleted" in report.summary()
+
+
+def test_pretraining_chunks_concatenate_documents_with_eos(tiny_tokenizer):
+    texts = ["Hello! How can I help you today?", "The quick brown fox jumps over the lazy dog."]
+    chunks = encode_pretraining(tiny_tokenizer, texts, 8)
+    stream = [t for c in chunks for t in c["input_ids"]]
+    expected = []
+    for text in texts:
+        expected += tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        expected.append(tiny_tokenizer.eos_token_id)
+    assert stream == expected
+    assert all(len(c["input_ids"]) == 8 for c in chunks[:-1])
+    assert all(c["labels"] == c["input_ids"] for c in chunks)
+
+
+def test_template_that_rewrites_history_is_reported(tiny_tokenizer, tmp_path):
+    rewriting = (
+        "{% for m in messages %}{% if loop.last %}{{ m['role'] + ':' + m['content'] + '\\n' }}"
+        "{% else %}{{ m['role'] + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    tokenizer = build_tokenizer(tmp_path, chat_template=rewriting)
+    with pytest.raises(Exception, match="re-renders earlier turns"):
+        encode_chat(tokenizer, CONVERSATION[1:5], "assistant")
