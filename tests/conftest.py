@@ -119,8 +119,12 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 CHAT_ROWS = [
-    {"messages": [{"role": "user", "content": f"Question number {i}?"},
-                  {"role": "assistant", "content": f"Answer number {i} is {i * 7}."}]}
+    {
+        "messages": [
+            {"role": "user", "content": f"Question number {i}?"},
+            {"role": "assistant", "content": f"Answer number {i} is {i * 7}."},
+        ]
+    }
     for i in range(24)
 ]
 

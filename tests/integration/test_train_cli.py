@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import CHAT_ROWS, write_jsonl
 from safetensors.torch import load_file
 
+from conftest import CHAT_ROWS, write_jsonl
 from swiftlm.cli.main import main
 
 FAST = ["--torch_dtype", "float32", "--report_to", "none", "--logging_steps", "1"]
@@ -27,9 +27,27 @@ def train_losses(run_dir) -> list[float]:
 
 def test_lora_run_learns_and_writes_a_complete_run_directory(tiny_model_dir, chat_jsonl, tmp_path):
     out = tmp_path / "run"
-    code = sft(tiny_model_dir, chat_jsonl, out, "--num_train_epochs", 10, "--learning_rate", "5e-3",
-               "--per_device_train_batch_size", 4, "--save_steps", 10, "--save_total_limit", 2,
-               "--split_dataset_ratio", 0.2, "--lora_dropout", 0, "--report_to", "tensorboard")
+    code = sft(
+        tiny_model_dir,
+        chat_jsonl,
+        out,
+        "--num_train_epochs",
+        10,
+        "--learning_rate",
+        "5e-3",
+        "--per_device_train_batch_size",
+        4,
+        "--save_steps",
+        10,
+        "--save_total_limit",
+        2,
+        "--split_dataset_ratio",
+        0.2,
+        "--lora_dropout",
+        0,
+        "--report_to",
+        "tensorboard",
+    )
     assert code == 0
     metrics = read_metrics(out)
     losses = train_losses(out)
@@ -57,13 +75,30 @@ def test_lora_run_learns_and_writes_a_complete_run_directory(tiny_model_dir, cha
 
 def test_full_fine_tuning_saves_a_loadable_model(tiny_model_dir, chat_jsonl, tmp_path):
     out = tmp_path / "full"
-    assert sft(tiny_model_dir, chat_jsonl, out, "--train_type", "full", "--max_steps", 4,
-               "--learning_rate", "1e-3", "--per_device_train_batch_size", 4) == 0
+    assert (
+        sft(
+            tiny_model_dir,
+            chat_jsonl,
+            out,
+            "--train_type",
+            "full",
+            "--max_steps",
+            4,
+            "--learning_rate",
+            "1e-3",
+            "--per_device_train_batch_size",
+            4,
+        )
+        == 0
+    )
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(out / "final")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    diffs = [(a - b).abs().max().item() for a, b in zip(trained.parameters(), base.parameters(), strict=True)]
+    diffs = [
+        (a - b).abs().max().item()
+        for a, b in zip(trained.parameters(), base.parameters(), strict=True)
+    ]
     assert max(diffs) > 1e-4
     assert (out / "final" / "tokenizer.json").is_file()
 
@@ -93,8 +128,12 @@ def test_step_one_loss_equals_transformers_reference(tiny_model_dir, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = CHATML_WITH_GENERATION
-    encoded = [tokenizer.apply_chat_template(r["messages"], return_dict=True,
-                                             return_assistant_tokens_mask=True) for r in rows]
+    encoded = [
+        tokenizer.apply_chat_template(
+            r["messages"], return_dict=True, return_assistant_tokens_mask=True
+        )
+        for r in rows
+    ]
     width = max(len(e["input_ids"]) for e in encoded)
     ids = torch.full((6, width), tokenizer.pad_token_id)
     labels = torch.full((6, width), -100)
@@ -106,16 +145,34 @@ def test_step_one_loss_equals_transformers_reference(tiny_model_dir, tmp_path):
         keep = torch.tensor(e["assistant_masks"], dtype=torch.bool)
         labels[i, :n] = torch.where(keep, ids[i, :n], torch.tensor(-100))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():  # LoRA starts as an exact no-op (B = 0), so the base model is the reference
+    with (
+        torch.no_grad()
+    ):  # LoRA starts as an exact no-op (B = 0), so the base model is the reference
         reference = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
     assert abs(logged["loss"] - reference) <= 1e-4, (logged["loss"], reference)
 
 
 def test_accumulation_matches_a_larger_batch(tiny_model_dir, chat_jsonl, tmp_path):
     common = ["--max_steps", 1, "--lora_dropout", 0, "--learning_rate", "1e-2"]
-    assert sft(tiny_model_dir, chat_jsonl, tmp_path / "b4", *common, "--per_device_train_batch_size", 4) == 0
-    assert sft(tiny_model_dir, chat_jsonl, tmp_path / "a4", *common, "--per_device_train_batch_size", 1,
-               "--gradient_accumulation_steps", 4) == 0
+    assert (
+        sft(
+            tiny_model_dir, chat_jsonl, tmp_path / "b4", *common, "--per_device_train_batch_size", 4
+        )
+        == 0
+    )
+    assert (
+        sft(
+            tiny_model_dir,
+            chat_jsonl,
+            tmp_path / "a4",
+            *common,
+            "--per_device_train_batch_size",
+            1,
+            "--gradient_accumulation_steps",
+            4,
+        )
+        == 0
+    )
     m4, a4 = read_metrics(tmp_path / "b4")[0], read_metrics(tmp_path / "a4")[0]
     assert abs(m4["loss"] - a4["loss"]) < 1e-5
     assert abs(m4["grad_norm"] - a4["grad_norm"]) < 1e-5
@@ -129,10 +186,24 @@ class Crash(Exception):
 
 
 @pytest.mark.parametrize("crash_at_micro_batch", [1, 0], ids=["mid-accumulation", "step-boundary"])
-def test_resumed_run_equals_uninterrupted(tiny_model_dir, chat_jsonl, tmp_path, monkeypatch, crash_at_micro_batch):
+def test_resumed_run_equals_uninterrupted(
+    tiny_model_dir, chat_jsonl, tmp_path, monkeypatch, crash_at_micro_batch
+):
     # 24 samples, 4 per step (2 micro-batches of 2): 6 steps per epoch, 8 steps cross an epoch.
-    common = ["--max_steps", 8, "--save_steps", 4, "--per_device_train_batch_size", 2,
-              "--gradient_accumulation_steps", 2, "--learning_rate", "5e-3", "--lora_dropout", 0.1]
+    common = [
+        "--max_steps",
+        8,
+        "--save_steps",
+        4,
+        "--per_device_train_batch_size",
+        2,
+        "--gradient_accumulation_steps",
+        2,
+        "--learning_rate",
+        "5e-3",
+        "--lora_dropout",
+        0.1,
+    ]
     assert sft(tiny_model_dir, chat_jsonl, tmp_path / "straight", *common) == 0
 
     import swiftlm.train.pipeline as pipeline
@@ -150,13 +221,24 @@ def test_resumed_run_equals_uninterrupted(tiny_model_dir, chat_jsonl, tmp_path, 
         sft(tiny_model_dir, chat_jsonl, tmp_path / "resumed", *common)
     monkeypatch.setattr(pipeline, "causal_lm_loss", real_loss)
     assert not (tmp_path / "resumed" / "final").exists()
-    assert sft(tiny_model_dir, chat_jsonl, tmp_path / "resumed", *common,
-               "--resume_from_checkpoint", "auto") == 0
+    assert (
+        sft(
+            tiny_model_dir,
+            chat_jsonl,
+            tmp_path / "resumed",
+            *common,
+            "--resume_from_checkpoint",
+            "auto",
+        )
+        == 0
+    )
 
     straight = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "final" / "adapter_model.safetensors")
     assert max((straight[k] - resumed[k]).abs().max().item() for k in straight) <= 1e-6
-    assert train_losses(tmp_path / "straight")[-4:] == pytest.approx(train_losses(tmp_path / "resumed")[-4:], abs=1e-6)
+    assert train_losses(tmp_path / "straight")[-4:] == pytest.approx(
+        train_losses(tmp_path / "resumed")[-4:], abs=1e-6
+    )
 
 
 def test_incomplete_checkpoint_is_skipped_on_resume(tiny_model_dir, chat_jsonl, tmp_path, capsys):
@@ -172,9 +254,13 @@ def test_incomplete_checkpoint_is_skipped_on_resume(tiny_model_dir, chat_jsonl, 
 
 
 def test_bad_rows_stop_before_training_and_skip_bad_rows_trains(tiny_model_dir, tmp_path, capsys):
-    rows = [*CHAT_ROWS[:6], "{not json", {"messages": [{"role": "bot", "content": "hi"}]},
-            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
-            {"text_only": 1}]
+    rows = [
+        *CHAT_ROWS[:6],
+        "{not json",
+        {"messages": [{"role": "bot", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
+        {"text_only": 1},
+    ]
     data = write_jsonl(tmp_path / "bad.jsonl", rows)
     out = tmp_path / "bad-run"
     assert sft(tiny_model_dir, data, out, "--max_steps", 2) == 1
@@ -202,9 +288,25 @@ def test_pretraining_on_text_trains_on_every_token(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "docs.jsonl", docs)
     (tmp_path / "notes.txt").write_text("Hello! How can I help you today? " * 10)
     out = tmp_path / "pt"
-    argv = ["pt", "--model", str(tiny_model_dir), "--dataset", str(data), str(tmp_path / "notes.txt"),
-            "--output_dir", str(out), "--max_length", 32, "--num_train_epochs", 4,
-            "--learning_rate", "5e-3", "--per_device_train_batch_size", 4, *FAST]
+    argv = [
+        "pt",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        str(tmp_path / "notes.txt"),
+        "--output_dir",
+        str(out),
+        "--max_length",
+        32,
+        "--num_train_epochs",
+        4,
+        "--learning_rate",
+        "5e-3",
+        "--per_device_train_batch_size",
+        4,
+        *FAST,
+    ]
     assert main([str(a) for a in argv]) == 0
     losses = train_losses(out)
     assert losses[-1] < 0.7 * losses[0]

@@ -86,11 +86,6 @@ def test_total_steps(epochs, max_steps, expected):
     assert total_steps(100, 4, 8, epochs, max_steps) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="batching.py total_steps: math.ceil(epochs * steps) rounds float error up; "
-    "0.07 * 100 == 7.000000000000001 gives 8 steps instead of 7",
-)
 @pytest.mark.parametrize(
     ("epochs", "spe", "expected"), [(0.07, 100, 7), (0.14, 50, 7), (0.28, 25, 7)]
 )

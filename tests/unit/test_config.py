@@ -267,11 +267,6 @@ def test_yaml_list_is_replaced_not_extended_by_flag(tmp_path):
     assert parse([str(path), "--dataset", "c.jsonl"]).data.dataset == ["c.jsonl"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse.py _yaml_to_argv drops empty YAML lists, so `report_to: []` falls back "
-    "to the default ['tensorboard'] (and a saved config.yaml does not rerun as saved)",
-)
 def test_empty_yaml_list_overrides_a_non_empty_default(tmp_path):
     path = write_yaml(tmp_path, "report_to: []\nmax_steps: 3\n")
     config = parse([str(path)])
@@ -423,3 +418,9 @@ def test_help_lists_flags_with_their_docs(capsys):
     assert "--lora_rank LORA_RANK" in out
     assert "LoRA rank r. (default: 8)" in out
     assert "Recompute activations in the backward pass to save memory." in out
+
+
+def test_key_in_the_wrong_section_names_its_section(tmp_path):
+    path = write_yaml(tmp_path, {"train": {"lora_rank": 4}})
+    with pytest.raises(ConfigError, match="'lora_rank' belongs to section 'tuner', not 'train'"):
+        parse([str(path)])

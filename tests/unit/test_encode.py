@@ -1,8 +1,8 @@
 """Chat encoding: the label spans are exactly the assistant answers plus the end-of-turn token."""
 
 import pytest
-from conftest import build_tokenizer
 
+from conftest import build_tokenizer
 from swiftlm.data.encode import (
     IGNORE_INDEX,
     TruncationReport,
@@ -100,8 +100,13 @@ def test_truncation_strategies_count_and_cut():
 
 
 def test_encode_chat_samples_reports_deleted(tiny_tokenizer):
-    long = {"messages": [{"role": "user", "content": "word " * 80},
-                         {"role": "assistant", "content": "ok"}], "source": "x.jsonl:1"}
+    long = {
+        "messages": [
+            {"role": "user", "content": "word " * 80},
+            {"role": "assistant", "content": "ok"},
+        ],
+        "source": "x.jsonl:1",
+    }
     short = {"messages": CONVERSATION[1:3], "source": "x.jsonl:2"}
     encoded, report = encode_chat_samples(tiny_tokenizer, [long, short], 40, "delete", "assistant")
     assert len(encoded) == 1

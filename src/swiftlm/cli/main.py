@@ -11,7 +11,11 @@ from swiftlm.errors import SwiftLMError
 COMMANDS = {
     "sft": ("TrainConfig", "swiftlm.train.sft", "Supervised fine-tuning (full, LoRA, DoRA)."),
     "pt": ("TrainConfig", "swiftlm.train.pt", "Continued pre-training on plain text."),
-    "infer": ("InferConfig", "swiftlm.infer.run", "Chat with a model, or answer a dataset in batch."),
+    "infer": (
+        "InferConfig",
+        "swiftlm.infer.run",
+        "Chat with a model, or answer a dataset in batch.",
+    ),
 }
 
 
@@ -51,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         import swiftlm.config as config_module
         from swiftlm.config.parse import parse_config
 
-        cfg = parse_config(getattr(config_module, config_name), rest, f"swiftlm {name}", description)
+        cfg = parse_config(
+            getattr(config_module, config_name), rest, f"swiftlm {name}", description
+        )
         _quiet_libraries()
         importlib.import_module(module_name).run(cfg)
     except SwiftLMError as exc:

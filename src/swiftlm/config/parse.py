@@ -42,6 +42,12 @@ def _nearest(name: str, valid: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
+def _misplaced_key_hint(section: str, key: str, owners: dict[str, str]) -> str:
+    if key in owners:
+        return f"'{key}' belongs to section '{owners[key]}', not '{section}'"
+    return f"unknown key '{section}.{key}'{_nearest(key, sorted(owners))}"
+
+
 def flatten_yaml(data: dict, config_cls: type, source: str) -> dict[str, Any]:
     """Accept `key: value` at the top level or grouped by section (`train: {...}`)."""
     owners = flag_owners(config_cls)
@@ -53,8 +59,7 @@ def flatten_yaml(data: dict, config_cls: type, source: str) -> dict[str, Any]:
             for sub_key, sub_value in value.items():
                 sub_key = ALIASES.get(sub_key, sub_key)
                 if owners.get(sub_key) != key:
-                    hint = _nearest(sub_key, sorted(owners))
-                    raise ConfigError(f"{source}: unknown key '{key}.{sub_key}'{hint}")
+                    raise ConfigError(f"{source}: {_misplaced_key_hint(key, sub_key, owners)}")
                 flat[sub_key] = sub_value
         elif key in owners:
             flat[key] = value
@@ -86,19 +91,18 @@ def _normalize_flag(arg: str) -> str:
     return f"--{ALIASES.get(name, name)}{eq}{value}"
 
 
-def _yaml_to_argv(values: dict[str, Any]) -> list[str]:
-    """YAML values become flags placed before the user's flags, so argparse converts and
-    checks both the same way (YAML reads `1e-4` as a string) and the user's flags win."""
+def _split_yaml_values(values: dict[str, Any]) -> tuple[list[str], dict[str, list[str]]]:
+    """Scalars become flags placed before the user's flags, so argparse converts and checks
+    them like typed flags (YAML reads `1e-4` as a string) and the user's flags win. Lists (all
+    list options hold strings) become parser defaults, which keeps an explicit `[]`."""
     argv: list[str] = []
+    lists: dict[str, list[str]] = {}
     for key, value in values.items():
-        if value is None:
-            continue
-        items = value if isinstance(value, list) else [value]
-        if not items:
-            continue
-        argv.append(f"--{key}")
-        argv.extend(str(v).lower() if isinstance(v, bool) else str(v) for v in items)
-    return argv
+        if isinstance(value, list):
+            lists[key] = [str(v) for v in value]
+        elif value is not None:
+            argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv, lists
 
 
 def build_parser(config_cls: type, prog: str, description: str):
@@ -116,15 +120,17 @@ def build_parser(config_cls: type, prog: str, description: str):
 def parse_config(config_cls: type[C], argv: list[str], prog: str, description: str = "") -> C:
     """Parse `[config.yaml] [--flag value ...]` into a command config."""
     argv = [_normalize_flag(a) for a in argv]
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        argv = _yaml_to_argv(load_yaml(argv[0], config_cls)) + argv[1:]
     parser = build_parser(config_cls, prog, description)
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        yaml_flags, yaml_lists = _split_yaml_values(load_yaml(argv[0], config_cls))
+        parser.set_defaults(**yaml_lists)
+        argv = yaml_flags + argv[1:]
     *sections, remaining = parser.parse_args_into_dataclasses(
         argv, return_remaining_strings=True, look_for_args_file=False
     )
     if remaining:
         _raise_for_leftover(remaining[0], config_cls, prog)
-    return config_cls(**dict(zip(section_types(config_cls), sections)))
+    return config_cls(**dict(zip(section_types(config_cls), sections, strict=True)))
 
 
 def _raise_for_leftover(arg: str, config_cls: type, prog: str) -> None:
@@ -164,7 +170,9 @@ def from_flat_dict(config_cls: type[C], flat: dict[str, Any]) -> C:
         if key not in owners:
             raise ConfigError(f"unknown option '{key}'{_nearest(key, sorted(owners))}")
         grouped[owners[key]][key] = value
-    return config_cls(**{name: cls(**grouped[name]) for name, cls in section_types(config_cls).items()})
+    return config_cls(
+        **{name: cls(**grouped[name]) for name, cls in section_types(config_cls).items()}
+    )
 
 
 def print_error_and_exit(exc: Exception) -> None:

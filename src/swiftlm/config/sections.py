@@ -57,9 +57,7 @@ class DataArguments:
         "Over-long samples: delete them, or cut tokens from the left or the right.",
         default="delete",
     )
-    system: str | None = doc(
-        "System prompt added to conversations that have none.", default=None
-    )
+    system: str | None = doc("System prompt added to conversations that have none.", default=None)
     loss_scope: Literal["assistant", "last_turn", "all"] = doc(
         "Tokens that carry loss: every assistant turn, the last assistant turn, or all tokens.",
         default="assistant",
@@ -78,7 +76,9 @@ class TunerArguments:
         "What to train: LoRA adapters, DoRA adapters, or all weights.", default="lora"
     )
     lora_rank: int = doc("LoRA rank r.", default=8)
-    lora_alpha: int = doc("LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with rsLoRA).", default=32)
+    lora_alpha: int = doc(
+        "LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with rsLoRA).", default=32
+    )
     lora_dropout: float = doc("Dropout on the LoRA input.", default=0.05)
     target_modules: list[str] = doc(
         "Modules that get adapters: `all-linear` or module names such as q_proj v_proj.",
@@ -125,7 +125,9 @@ class OutputArguments:
         "Run directory. Default: output/<model name>-<timestamp>.", default=None
     )
     logging_steps: int = doc("Log metrics every N optimizer steps (and always step 1).", default=5)
-    save_steps: int = doc("Save a checkpoint every N optimizer steps (and at the end).", default=500)
+    save_steps: int = doc(
+        "Save a checkpoint every N optimizer steps (and at the end).", default=500
+    )
     save_total_limit: int | None = doc(
         "Keep at most N checkpoints (the newest complete one is never deleted).", default=None
     )
@@ -145,14 +147,18 @@ class OutputArguments:
 class GenerationArguments:
     max_new_tokens: int = doc("Most tokens generated per answer.", default=512)
     temperature: float = doc("Sampling temperature; 0 means greedy.", default=0.0)
-    top_p: float = doc("Nucleus sampling: smallest token set with this total probability.", default=1.0)
+    top_p: float = doc(
+        "Nucleus sampling: smallest token set with this total probability.", default=1.0
+    )
     top_k: int = doc("Sample among the k most likely tokens (0 disables).", default=0)
     repetition_penalty: float = doc("Penalty > 1 discourages repeating tokens.", default=1.0)
 
 
 @dataclass
 class InferArguments:
-    adapters: list[str] = doc("LoRA/DoRA adapter folders to apply on --model.", default_factory=list)
+    adapters: list[str] = doc(
+        "LoRA/DoRA adapter folders to apply on --model.", default_factory=list
+    )
     ckpt_dir: str | None = doc(
         "A swiftlm run directory, its final/ folder or a checkpoint: the model (and base model) "
         "are read from the saved config.",

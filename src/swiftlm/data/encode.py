@@ -74,7 +74,7 @@ def encode_chat(tokenizer, messages: list[dict], scope: str = "assistant") -> di
     text, spans = assistant_char_spans(tokenizer, messages, scope)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     labels = []
-    for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+    for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
         inside = any(s <= start and end <= e and end > start for s, e in spans)
         labels.append(token_id if inside else IGNORE_INDEX)
     return {"input_ids": list(encoded["input_ids"]), "labels": labels}

@@ -55,7 +55,11 @@ def resolve_model(model: str | None) -> ResolvedModel:
     """Turn `--model` into something `from_pretrained` loads, converting GGUF once."""
     if model is None:
         gguf = default_model_file()
-        return ResolvedModel(str(convert_gguf(gguf)), "SmolLM2-135M-Instruct (packaged GGUF)", "SmolLM2-135M-Instruct")
+        return ResolvedModel(
+            str(convert_gguf(gguf)),
+            "SmolLM2-135M-Instruct (packaged GGUF)",
+            "SmolLM2-135M-Instruct",
+        )
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -165,7 +169,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_impl: s
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_impl)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_impl
+        )
     except OSError as exc:
         raise ModelLoadError(
             f"could not load model {path}: {exc}. Pass a local folder or .gguf file, or make "

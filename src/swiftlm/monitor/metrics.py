@@ -51,7 +51,9 @@ class Progress:
     def __init__(self, total: int, initial: int):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.bar = tqdm(
+            total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr
+        )
 
     def update(self, loss: float, lr: float, tokens_per_second: float) -> None:
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:.0f}")

@@ -19,7 +19,9 @@ class DataPosition:
     micro_batch: int = 0
 
 
-def epoch_micro_batches(num_samples: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_micro_batches(
+    num_samples: int, batch_size: int, seed: int, epoch: int
+) -> list[list[int]]:
     """Shuffled sample indices of one epoch cut into micro-batches (the last may be short)."""
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(num_samples, generator=generator).tolist()
@@ -30,10 +32,14 @@ def steps_per_epoch(num_samples: int, batch_size: int, accumulation: int) -> int
     return math.ceil(math.ceil(num_samples / batch_size) / accumulation)
 
 
-def total_steps(num_samples: int, batch_size: int, accumulation: int, epochs: float, max_steps: int) -> int:
+def total_steps(
+    num_samples: int, batch_size: int, accumulation: int, epochs: float, max_steps: int
+) -> int:
     if max_steps > 0:
         return max_steps
-    return max(1, math.ceil(epochs * steps_per_epoch(num_samples, batch_size, accumulation)))
+    # Round first: 0.07 * 100 is 7.000000000000001 in floating point, not a reason for step 8.
+    exact = round(epochs * steps_per_epoch(num_samples, batch_size, accumulation), 6)
+    return max(1, math.ceil(exact))
 
 
 def iterate_steps(
@@ -50,6 +56,8 @@ def iterate_steps(
         while index < len(batches):
             step_batches = batches[index : index + accumulation]
             index += len(step_batches)
-            position = DataPosition(epoch, index) if index < len(batches) else DataPosition(epoch + 1, 0)
+            position = (
+                DataPosition(epoch, index) if index < len(batches) else DataPosition(epoch + 1, 0)
+            )
             yield step_batches, position
         epoch, index = epoch + 1, 0

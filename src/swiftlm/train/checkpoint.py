@@ -35,10 +35,14 @@ def is_complete(folder: Path) -> bool:
 def list_checkpoints(run_dir: Path) -> tuple[list[Path], list[Path]]:
     """(complete, incomplete) checkpoint folders of a run, oldest first."""
     root = run_dir / "checkpoints"
-    folders = sorted(
-        (p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-        key=lambda p: int(p.name[5:]),
-    ) if root.is_dir() else []
+    folders = (
+        sorted(
+            (p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+            key=lambda p: int(p.name[5:]),
+        )
+        if root.is_dir()
+        else []
+    )
     return [p for p in folders if is_complete(p)], [p for p in folders if not is_complete(p)]
 
 
@@ -164,7 +168,9 @@ def load_checkpoint(folder: Path, model, optimizer) -> dict:
         )
     load_model_weights(folder, model)
     meta = json.loads((folder / OPTIMIZER_META).read_text())
-    optimizer.load_state_dict(optimizer_from_files(load_file(str(folder / OPTIMIZER_TENSORS)), meta))
+    optimizer.load_state_dict(
+        optimizer_from_files(load_file(str(folder / OPTIMIZER_TENSORS)), meta)
+    )
     state = json.loads((folder / STATE_FILE).read_text())
     restore_rng(load_file(str(folder / RNG_TENSORS)), state.pop("rng"))
     return state

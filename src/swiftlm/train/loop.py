@@ -97,7 +97,9 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]) -> tuple[float, int, int]:
+def forward_backward(
+    job: TrainingJob, precision: Precision, batches: list[dict]
+) -> tuple[float, int, int]:
     """Accumulate gradients of one optimizer step; return (mean loss, label tokens, tokens)."""
     label_tokens = sum(count_label_tokens(b["labels"]) for b in batches)
     input_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
@@ -110,7 +112,9 @@ def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]
     return total / max(label_tokens, 1), label_tokens, input_tokens
 
 
-def clip_and_step(job: TrainingJob, optimizer, scheduler, precision: Precision, loss: float, state: LoopState) -> float:
+def clip_and_step(
+    job: TrainingJob, optimizer, scheduler, precision: Precision, loss: float, state: LoopState
+) -> float:
     """Clip (logging the pre-clip norm), then step unless the loss or gradient is non-finite."""
     params = [p for p in job.model.parameters() if p.requires_grad]
     if precision.scaler:
@@ -162,7 +166,9 @@ def _resume(job: TrainingJob, optimizer, scheduler, precision: Precision) -> Loo
         return LoopState()
     folder, skipped = ckpt.find_resume_checkpoint(job.run_dir, spec)
     for bad in skipped:
-        job.log(f"skipping incomplete checkpoint {bad} (no COMPLETE marker: interrupted while saving)")
+        job.log(
+            f"skipping incomplete checkpoint {bad} (no COMPLETE marker: interrupted while saving)"
+        )
     if folder is None:
         job.log(f"no complete checkpoint in {job.run_dir / 'checkpoints'}; starting from scratch")
         return LoopState()
@@ -199,9 +205,16 @@ def run_training(job: TrainingJob) -> dict:
     """Train to the planned number of steps; return the run summary."""
     args, out = job.args, job.output
     n = len(job.train_data)
-    num_steps = total_steps(n, args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                            args.num_train_epochs, args.max_steps)
-    per_epoch = steps_per_epoch(n, args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    num_steps = total_steps(
+        n,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        args.num_train_epochs,
+        args.max_steps,
+    )
+    per_epoch = steps_per_epoch(
+        n, args.per_device_train_batch_size, args.gradient_accumulation_steps
+    )
     optimizer = build_optimizer(job.model, args, job.learning_rate)
     scheduler = build_scheduler(optimizer, args, num_steps)
     precision = Precision(job.device, job.compute_dtype)
@@ -211,13 +224,20 @@ def run_training(job: TrainingJob) -> dict:
     job.model.train()
     progress = Progress(num_steps, state.step)
     window, window_loss, window_tokens = Throughput(), 0.0, 0
-    steps = iterate_steps(n, args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                          args.seed, state.position)
+    steps = iterate_steps(
+        n,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        args.seed,
+        state.position,
+    )
     started = time.perf_counter() - state.train_seconds
     try:
         while state.step < num_steps:
             indices, next_position = next(steps)
-            batches = [collate([job.train_data[i] for i in b], job.tokenizer.pad_token_id) for b in indices]
+            batches = [
+                collate([job.train_data[i] for i in b], job.tokenizer.pad_token_id) for b in indices
+            ]
             lr = optimizer.param_groups[0]["lr"]
             loss, label_tokens, input_tokens = forward_backward(job, precision, batches)
             grad_norm = clip_and_step(job, optimizer, scheduler, precision, loss, state)
@@ -229,17 +249,19 @@ def run_training(job: TrainingJob) -> dict:
             window_tokens += label_tokens
             progress.update(loss, lr, window.rate())
             if state.step == 1 or state.step % out.logging_steps == 0 or state.step == num_steps:
-                metrics.log({
-                    "step": state.step,
-                    "epoch": round(state.step / per_epoch, 4),
-                    "loss": window_loss / max(window_tokens, 1),
-                    "learning_rate": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_second": window.rate(),
-                    "label_tokens": window_tokens,
-                    "memory_gib": round(peak_memory_gib(job.device), 3),
-                    "elapsed_s": round(time.perf_counter() - started, 2),
-                })
+                metrics.log(
+                    {
+                        "step": state.step,
+                        "epoch": round(state.step / per_epoch, 4),
+                        "loss": window_loss / max(window_tokens, 1),
+                        "learning_rate": lr,
+                        "grad_norm": grad_norm,
+                        "tokens_per_second": window.rate(),
+                        "label_tokens": window_tokens,
+                        "memory_gib": round(peak_memory_gib(job.device), 3),
+                        "elapsed_s": round(time.perf_counter() - started, 2),
+                    }
+                )
                 window.reset()
                 window_loss, window_tokens = 0.0, 0
             if job.val_data and (state.step % eval_every == 0 or state.step == num_steps):

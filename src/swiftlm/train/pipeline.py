@@ -30,7 +30,10 @@ def check_config(cfg: TrainConfig) -> None:
         (not 0 <= d.split_dataset_ratio < 1, "--split_dataset_ratio must be in [0, 1)"),
         (t.per_device_train_batch_size < 1, "--per_device_train_batch_size must be >= 1"),
         (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be >= 1"),
-        (t.max_steps <= 0 and t.num_train_epochs <= 0, "set --num_train_epochs > 0 or --max_steps > 0"),
+        (
+            t.max_steps <= 0 and t.num_train_epochs <= 0,
+            "set --num_train_epochs > 0 or --max_steps > 0",
+        ),
         (cfg.tuner.lora_rank < 1, "--lora_rank must be >= 1"),
         (o.logging_steps < 1 or o.save_steps < 1, "--logging_steps and --save_steps must be >= 1"),
         (not 0 <= t.warmup_ratio <= 1, "--warmup_ratio must be in [0, 1]"),
@@ -45,7 +48,9 @@ def resolve_defaults(cfg: TrainConfig, kind: str, model_name: str) -> TrainConfi
     cfg = dataclasses.replace(cfg)
     if not cfg.data.dataset:
         if kind == "text" or cfg.model.model is not None:
-            raise ConfigError("--dataset is required (a .jsonl/.json/.csv/.parquet/.txt file or hub id)")
+            raise ConfigError(
+                "--dataset is required (a .jsonl/.json/.csv/.parquet/.txt file or hub id)"
+            )
         cfg.data = dataclasses.replace(cfg.data, dataset=list(BUILTIN_SFT_DATASETS))
     if cfg.train.learning_rate is None:
         lr = 1e-5 if cfg.tuner.train_type == "full" else 1e-4
@@ -62,7 +67,9 @@ def prepare_data(cfg: TrainConfig, tokenizer, kind: str, log) -> tuple[list, lis
     """Load, validate, split and encode the training and validation data."""
     d = cfg.data
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
-    load = dict(skip_bad_rows=d.skip_bad_rows, seed=d.data_seed, system=d.system, placeholders=placeholders)
+    load = dict(
+        skip_bad_rows=d.skip_bad_rows, seed=d.data_seed, system=d.system, placeholders=placeholders
+    )
     train, report = load_samples(d.dataset, kind, **load)
     if report.skipped:
         log(report.summary())
@@ -71,19 +78,28 @@ def prepare_data(cfg: TrainConfig, tokenizer, kind: str, log) -> tuple[list, lis
     else:
         train, val = split_samples(train, d.split_dataset_ratio, d.data_seed)
     if kind == "text":
-        return (encode_pretraining(tokenizer, [s["text"] for s in train], d.max_length),
-                encode_pretraining(tokenizer, [s["text"] for s in val], d.max_length))
+        return (
+            encode_pretraining(tokenizer, [s["text"] for s in train], d.max_length),
+            encode_pretraining(tokenizer, [s["text"] for s in val], d.max_length),
+        )
     encoded = []
     for samples in (train, val):
-        items, truncation = encode_chat_samples(tokenizer, samples, d.max_length,
-                                                d.truncation_strategy, d.loss_scope) if samples else ([], None)
+        items, truncation = (
+            encode_chat_samples(
+                tokenizer, samples, d.max_length, d.truncation_strategy, d.loss_scope
+            )
+            if samples
+            else ([], None)
+        )
         if truncation and truncation.summary():
             log(truncation.summary())
         encoded.append(items)
     return encoded[0], encoded[1]
 
 
-def prepare_model(cfg: TrainConfig, model_path: str, device: torch.device, compute_dtype: torch.dtype):
+def prepare_model(
+    cfg: TrainConfig, model_path: str, device: torch.device, compute_dtype: torch.dtype
+):
     """Load the model and make the tuner's parameters trainable."""
     # Frozen base weights can live in the compute dtype; weights that train stay float32
     # (peft keeps adapters in float32) so small updates are not lost to rounding.
@@ -117,19 +133,34 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
     run_dir = Path(cfg.output.output_dir)
     device = pick_device(cfg.model.device)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
-    log(f"model {resolved.requested} on {device} ({str(compute_dtype).replace('torch.', '')} compute)")
+    log(
+        f"model {resolved.requested} on {device} ({str(compute_dtype).replace('torch.', '')} compute)"
+    )
     tokenizer = load_tokenizer(resolved.path)
     train_data, val_data = prepare_data(cfg, tokenizer, kind, log)
     log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
     set_seed(cfg.train.seed)
     model = prepare_model(cfg, resolved.path, device, compute_dtype)
     trainable, total = count_parameters(model)
-    log(f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
-        f"({100 * trainable / total:.2f}%)")
+    log(
+        f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / total:.2f}%)"
+    )
     save_config(cfg, run_dir / "config.yaml")
-    job = TrainingJob(model=model, tokenizer=tokenizer, loss_fn=causal_lm_loss, train_data=train_data,
-                      val_data=val_data, device=device, compute_dtype=compute_dtype, args=cfg.train,
-                      output=cfg.output, run_dir=run_dir, learning_rate=cfg.train.learning_rate, log=log)
+    job = TrainingJob(
+        model=model,
+        tokenizer=tokenizer,
+        loss_fn=causal_lm_loss,
+        train_data=train_data,
+        val_data=val_data,
+        device=device,
+        compute_dtype=compute_dtype,
+        args=cfg.train,
+        output=cfg.output,
+        run_dir=run_dir,
+        learning_rate=cfg.train.learning_rate,
+        log=log,
+    )
     summary = run_training(job)
     summary["output"] = str(save_final(model, tokenizer, run_dir))
     log(format_summary(summary))
