@@ -304,3 +304,15 @@ def test_to_text_errors():
         "bad field type",
         "'text' must be a string, got int",
     )
+
+
+def test_inference_prompts_may_omit_the_answer_field():
+    assert to_messages({"query": "Hi?"}, require_answer=False) == [
+        {"role": "user", "content": "Hi?"}
+    ]
+    assert to_messages({"instruction": "Sum", "input": "1 2"}, require_answer=False) == [
+        {"role": "user", "content": "Sum\n1 2"}
+    ]
+    with pytest.raises(RowError) as error:
+        to_messages({"query": "Hi?"})
+    assert error.value.kind == "no recognizable format"

