@@ -313,3 +313,101 @@ def test_pretraining_on_text_trains_on_every_token(tiny_model_dir, tmp_path):
     first = read_metrics(out)[0]
     # Every position but the last of each 32-token chunk predicts a token: 4 chunks x 31.
     assert first["label_tokens"] == 4 * 31
+
+
+@pytest.mark.parametrize(
+    ("flags", "config_key"),
+    [(["--train_type", "dora"], "use_dora"), (["--use_rslora"], "use_rslora")],
+    ids=["dora", "rslora"],
+)
+def test_lora_variants_save_adapters_that_peft_loads(
+    tiny_model_dir, chat_jsonl, tmp_path, flags, config_key
+):
+    out = tmp_path / config_key
+    assert (
+        sft(tiny_model_dir, chat_jsonl, out, "--max_steps", 3, "--learning_rate", "1e-2", *flags)
+        == 0
+    )
+    adapter_config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert adapter_config[config_key] is True
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), out / "final"
+    )
+    if config_key == "use_dora":
+        assert any("lora_magnitude_vector" in n for n, _ in model.named_parameters())
+
+
+def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, chat_jsonl, tmp_path):
+    common = [
+        "--max_steps",
+        3,
+        "--lora_dropout",
+        0,
+        "--learning_rate",
+        "1e-2",
+        "--per_device_train_batch_size",
+        4,
+    ]
+    assert sft(tiny_model_dir, chat_jsonl, tmp_path / "plain", *common) == 0
+    assert (
+        sft(tiny_model_dir, chat_jsonl, tmp_path / "ckpt", *common, "--gradient_checkpointing") == 0
+    )
+    assert train_losses(tmp_path / "ckpt") == pytest.approx(
+        train_losses(tmp_path / "plain"), abs=1e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_autocast_trains(tiny_model_dir, chat_jsonl, tmp_path, dtype):
+    out = tmp_path / dtype
+    argv = [
+        "sft",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(chat_jsonl),
+        "--output_dir",
+        str(out),
+        "--torch_dtype",
+        dtype,
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
+        "--num_train_epochs",
+        "6",
+        "--learning_rate",
+        "5e-3",
+        "--per_device_train_batch_size",
+        "4",
+    ]
+    assert main(argv) == 0
+    losses = train_losses(out)
+    assert all(loss == loss for loss in losses)  # no NaN
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_nonfinite_loss_policy(tiny_model_dir, chat_jsonl, tmp_path, monkeypatch, capsys):
+    import swiftlm.train.pipeline as pipeline
+
+    real_loss, calls = pipeline.causal_lm_loss, {"n": 0}
+
+    def nan_on_second_step(model, batch):
+        calls["n"] += 1
+        loss, metrics = real_loss(model, batch)
+        return (loss * float("nan"), metrics) if calls["n"] == 2 else (loss, metrics)
+
+    monkeypatch.setattr(pipeline, "causal_lm_loss", nan_on_second_step)
+    common = ["--max_steps", 3, "--per_device_train_batch_size", 4]
+    assert sft(tiny_model_dir, chat_jsonl, tmp_path / "err", *common) == 1
+    assert "step 2: loss nan" in capsys.readouterr().err
+
+    calls["n"] = 0
+    assert (
+        sft(tiny_model_dir, chat_jsonl, tmp_path / "skip", *common, "--nonfinite_loss", "skip") == 0
+    )
+    assert "step 2: non-finite loss/gradient, step skipped" in capsys.readouterr().out
+    assert (tmp_path / "skip" / "final" / "adapter_model.safetensors").is_file()

@@ -67,7 +67,6 @@ class DataArguments:
         default=False,
     )
     data_seed: int = doc("Seed for sampling, mixing and splitting datasets.", default=42)
-    dataset_num_proc: int = doc("Processes used to tokenize the dataset.", default=1)
 
 
 @dataclass

@@ -201,75 +201,92 @@ def _save(job: TrainingJob, optimizer, scheduler, precision: Precision, state: L
         job.log(f"removed old checkpoint {removed.name}")
 
 
+class LogWindow:
+    """Token-weighted loss and throughput over the steps since the last log line."""
+
+    def __init__(self):
+        self.throughput = Throughput()
+        self.loss_sum, self.label_tokens = 0.0, 0
+
+    def add(self, loss: float, label_tokens: int, input_tokens: int) -> None:
+        self.throughput.add(input_tokens)
+        if math.isfinite(loss):  # a skipped non-finite step must not poison the average
+            self.loss_sum += loss * label_tokens
+            self.label_tokens += label_tokens
+
+    def flush(self) -> dict:
+        row = {
+            "loss": self.loss_sum / max(self.label_tokens, 1),
+            "tokens_per_second": self.throughput.rate(),
+            "label_tokens": self.label_tokens,
+        }
+        self.throughput.reset()
+        self.loss_sum, self.label_tokens = 0.0, 0
+        return row
+
+
+def plan_steps(job: TrainingJob) -> tuple[int, int]:
+    """(total optimizer steps, steps per epoch)."""
+    a, n = job.args, len(job.train_data)
+    size, accumulation = a.per_device_train_batch_size, a.gradient_accumulation_steps
+    return (
+        total_steps(n, size, accumulation, a.num_train_epochs, a.max_steps),
+        steps_per_epoch(n, size, accumulation),
+    )
+
+
 def run_training(job: TrainingJob) -> dict:
     """Train to the planned number of steps; return the run summary."""
     args, out = job.args, job.output
-    n = len(job.train_data)
-    num_steps = total_steps(
-        n,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        args.num_train_epochs,
-        args.max_steps,
-    )
-    per_epoch = steps_per_epoch(
-        n, args.per_device_train_batch_size, args.gradient_accumulation_steps
-    )
+    num_steps, per_epoch = plan_steps(job)
     optimizer = build_optimizer(job.model, args, job.learning_rate)
     scheduler = build_scheduler(optimizer, args, num_steps)
     precision = Precision(job.device, job.compute_dtype)
     state = _resume(job, optimizer, scheduler, precision)
     metrics = MetricsLogger(job.run_dir, out.report_to, resume=state.step > 0)
+    progress, window = Progress(num_steps, state.step), LogWindow()
     eval_every = out.eval_steps or out.save_steps
-    job.model.train()
-    progress = Progress(num_steps, state.step)
-    window, window_loss, window_tokens = Throughput(), 0.0, 0
     steps = iterate_steps(
-        n,
+        len(job.train_data),
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
         args.seed,
         state.position,
     )
     started = time.perf_counter() - state.train_seconds
+    job.model.train()
     try:
         while state.step < num_steps:
             indices, next_position = next(steps)
-            batches = [
-                collate([job.train_data[i] for i in b], job.tokenizer.pad_token_id) for b in indices
-            ]
+            pad = job.tokenizer.pad_token_id
+            batches = [collate([job.train_data[i] for i in b], pad) for b in indices]
             lr = optimizer.param_groups[0]["lr"]
             loss, label_tokens, input_tokens = forward_backward(job, precision, batches)
             grad_norm = clip_and_step(job, optimizer, scheduler, precision, loss, state)
             state.step, state.position = state.step + 1, next_position
             state.tokens_seen += input_tokens
             state.last_loss = loss
-            window.add(input_tokens)
-            window_loss += loss * label_tokens
-            window_tokens += label_tokens
-            progress.update(loss, lr, window.rate())
-            if state.step == 1 or state.step % out.logging_steps == 0 or state.step == num_steps:
+            window.add(loss, label_tokens, input_tokens)
+            progress.update(loss, lr, window.throughput.rate())
+            last = state.step == num_steps
+            if state.step == 1 or state.step % out.logging_steps == 0 or last:
                 metrics.log(
                     {
                         "step": state.step,
                         "epoch": round(state.step / per_epoch, 4),
-                        "loss": window_loss / max(window_tokens, 1),
+                        **window.flush(),
                         "learning_rate": lr,
                         "grad_norm": grad_norm,
-                        "tokens_per_second": window.rate(),
-                        "label_tokens": window_tokens,
                         "memory_gib": round(peak_memory_gib(job.device), 3),
                         "elapsed_s": round(time.perf_counter() - started, 2),
                     }
                 )
-                window.reset()
-                window_loss, window_tokens = 0.0, 0
-            if job.val_data and (state.step % eval_every == 0 or state.step == num_steps):
+            if job.val_data and (state.step % eval_every == 0 or last):
                 state.last_eval_loss = evaluate(job, precision)
                 metrics.log({"step": state.step, "eval_loss": state.last_eval_loss})
                 progress.write(f"step {state.step}: eval_loss {state.last_eval_loss:.4f}")
             state.train_seconds = time.perf_counter() - started
-            if state.step % out.save_steps == 0 or state.step == num_steps:
+            if state.step % out.save_steps == 0 or last:
                 _save(job, optimizer, scheduler, precision, state)
     finally:
         progress.close()
