@@ -45,7 +45,6 @@ class TrainingJob:
     args: TrainArguments
     output: OutputArguments
     run_dir: Path
-    learning_rate: float
     log: Callable[[str], None] = print
 
 
@@ -239,7 +238,7 @@ def run_training(job: TrainingJob) -> dict:
     """Train to the planned number of steps; return the run summary."""
     args, out = job.args, job.output
     num_steps, per_epoch = plan_steps(job)
-    optimizer = build_optimizer(job.model, args, job.learning_rate)
+    optimizer = build_optimizer(job.model, args)
     scheduler = build_scheduler(optimizer, args, num_steps)
     precision = Precision(job.device, job.compute_dtype)
     state = _resume(job, optimizer, scheduler, precision)

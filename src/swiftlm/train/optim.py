@@ -7,7 +7,7 @@ from swiftlm.config.sections import TrainArguments
 SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
-def build_optimizer(model, args: TrainArguments, learning_rate: float) -> torch.optim.AdamW:
+def build_optimizer(model, args: TrainArguments) -> torch.optim.AdamW:
     """AdamW; biases, norms and other 1-D parameters get no weight decay."""
     decay, no_decay = [], []
     for param in model.parameters():
@@ -19,7 +19,7 @@ def build_optimizer(model, args: TrainArguments, learning_rate: float) -> torch.
     ]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
-        lr=learning_rate,
+        lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         # The for-each kernel is faster than a per-parameter loop and numerically identical.

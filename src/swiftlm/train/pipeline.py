@@ -63,38 +63,33 @@ def resolve_defaults(cfg: TrainConfig, kind: str, model_name: str) -> TrainConfi
     return cfg
 
 
-def prepare_data(cfg: TrainConfig, tokenizer, kind: str, log) -> tuple[list, list]:
-    """Load, validate, split and encode the training and validation data."""
+def load_splits(cfg: TrainConfig, kind: str, log) -> tuple[list[dict], list[dict]]:
+    """Load and validate every row, then split off validation samples."""
     d = cfg.data
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
-    load = dict(
-        skip_bad_rows=d.skip_bad_rows, seed=d.data_seed, system=d.system, placeholders=placeholders
-    )
-    train, report = load_samples(d.dataset, kind, **load)
+    options = dict(skip_bad_rows=d.skip_bad_rows, seed=d.data_seed, system=d.system)
+    train, report = load_samples(d.dataset, kind, placeholders=placeholders, **options)
     if report.skipped:
         log(report.summary())
-    if d.val_dataset:
-        val, _ = load_samples(d.val_dataset, kind, **load)
-    else:
-        train, val = split_samples(train, d.split_dataset_ratio, d.data_seed)
+    if not d.val_dataset:
+        return split_samples(train, d.split_dataset_ratio, d.data_seed)
+    val, _ = load_samples(d.val_dataset, kind, placeholders=placeholders, **options)
+    return train, val
+
+
+def encode_samples(cfg: TrainConfig, tokenizer, samples: list[dict], kind: str, log) -> list[dict]:
+    """Token ids + labels: chunked text for `pt`, masked conversations for `sft`."""
+    d = cfg.data
+    if not samples:
+        return []
     if kind == "text":
-        return (
-            encode_pretraining(tokenizer, [s["text"] for s in train], d.max_length),
-            encode_pretraining(tokenizer, [s["text"] for s in val], d.max_length),
-        )
-    encoded = []
-    for samples in (train, val):
-        items, truncation = (
-            encode_chat_samples(
-                tokenizer, samples, d.max_length, d.truncation_strategy, d.loss_scope
-            )
-            if samples
-            else ([], None)
-        )
-        if truncation and truncation.summary():
-            log(truncation.summary())
-        encoded.append(items)
-    return encoded[0], encoded[1]
+        return encode_pretraining(tokenizer, [s["text"] for s in samples], d.max_length)
+    encoded, truncation = encode_chat_samples(
+        tokenizer, samples, d.max_length, d.truncation_strategy, d.loss_scope
+    )
+    if truncation.summary():
+        log(truncation.summary())
+    return encoded
 
 
 def prepare_model(
@@ -137,7 +132,9 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         f"model {resolved.requested} on {device} ({str(compute_dtype).replace('torch.', '')} compute)"
     )
     tokenizer = load_tokenizer(resolved.path)
-    train_data, val_data = prepare_data(cfg, tokenizer, kind, log)
+    train, val = load_splits(cfg, kind, log)
+    train_data = encode_samples(cfg, tokenizer, train, kind, log)
+    val_data = encode_samples(cfg, tokenizer, val, kind, log)
     log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
     set_seed(cfg.train.seed)
     model = prepare_model(cfg, resolved.path, device, compute_dtype)
@@ -158,7 +155,6 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         args=cfg.train,
         output=cfg.output,
         run_dir=run_dir,
-        learning_rate=cfg.train.learning_rate,
         log=log,
     )
     summary = run_training(job)
