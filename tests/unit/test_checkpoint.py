@@ -23,6 +23,11 @@ from swiftlm.train.checkpoint import (
     save_checkpoint,
 )
 
+from swiftlm.dist.env import DistContext  # noqa: E402
+from swiftlm.dist.single import SingleStrategy  # noqa: E402
+
+SINGLE = SingleStrategy(DistContext())
+
 
 @pytest.fixture(autouse=True)
 def _keep_global_rng():
@@ -213,7 +218,7 @@ def test_save_and_load_full_model_checkpoint(tmp_path):
     torch.manual_seed(5)
     random.seed(5)
     np.random.seed(5)
-    save_checkpoint(folder, model, optimizer, STATE)
+    save_checkpoint(folder, SINGLE, model, optimizer, STATE)
     expected_draws = rng_draws()
     saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
     names = {p.name for p in folder.iterdir()}
@@ -225,9 +230,9 @@ def test_save_and_load_full_model_checkpoint(tmp_path):
     other = tiny_llama(seed=1)
     other_optimizer = adamw(other, lr=5.0)
     assert not torch.equal(other.lm_head.weight, model.lm_head.weight)
-    state = load_checkpoint(folder, other, other_optimizer)
+    state = load_checkpoint(folder, SINGLE, other, other_optimizer)
 
-    assert state == STATE
+    assert state == {**STATE, "world_size": 1}
     assert_same_weights(other, model)
     assert_optimizer_states_equal(other_optimizer.state_dict(), optimizer.state_dict())
     assert rng_draws() == expected_draws
@@ -248,11 +253,11 @@ def test_tied_embeddings_load_without_lm_head_in_file(tmp_path):
     optimizer = adamw(model)
     lm_step(model, optimizer, 0)
     folder = checkpoint_dir(tmp_path, 1)
-    save_checkpoint(folder, model, optimizer, {"step": 1})
+    save_checkpoint(folder, SINGLE, model, optimizer, {"step": 1})
     assert "lm_head.weight" not in load_file(str(folder / "model.safetensors"))
 
     other = tiny_llama(seed=1, tie=True)
-    assert load_checkpoint(folder, other, adamw(other)) == {"step": 1}
+    assert load_checkpoint(folder, SINGLE, other, adamw(other)) == {"step": 1, "world_size": 1}
     assert_same_weights(other, model)
     assert other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()
 
@@ -260,10 +265,10 @@ def test_tied_embeddings_load_without_lm_head_in_file(tmp_path):
 def test_checkpoint_from_a_different_model_is_rejected(tmp_path):
     model = tiny_llama(seed=0, layers=1)
     folder = checkpoint_dir(tmp_path, 1)
-    save_checkpoint(folder, model, adamw(model), {"step": 1})
+    save_checkpoint(folder, SINGLE, model, adamw(model), {"step": 1})
     bigger = tiny_llama(seed=0, layers=2)
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint(folder, bigger, adamw(bigger))
+        load_checkpoint(folder, SINGLE, bigger, adamw(bigger))
     message = str(info.value)
     assert "missing" in message and "model.layers.1." in message
     assert "different model" in message
@@ -272,12 +277,12 @@ def test_checkpoint_from_a_different_model_is_rejected(tmp_path):
 def test_incomplete_checkpoint_is_refused(tmp_path):
     model = tiny_llama(seed=0)
     folder = checkpoint_dir(tmp_path, 3)
-    save_checkpoint(folder, model, adamw(model), {"step": 3})
+    save_checkpoint(folder, SINGLE, model, adamw(model), {"step": 3})
     (folder / "COMPLETE").unlink()
     other = tiny_llama(seed=1)
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint(folder, other, adamw(other))
+        load_checkpoint(folder, SINGLE, other, adamw(other))
     message = str(info.value)
     assert "incomplete" in message
     assert str(folder) in message
@@ -290,10 +295,10 @@ def test_save_overwrites_an_existing_folder(tmp_path):
     folder = checkpoint_dir(tmp_path, 4)
     folder.mkdir(parents=True)
     (folder / "stale.safetensors").write_bytes(b"junk from a crashed save")
-    save_checkpoint(folder, model, adamw(model), {"step": 4})
+    save_checkpoint(folder, SINGLE, model, adamw(model), {"step": 4})
     assert not (folder / "stale.safetensors").exists()
     other = tiny_llama(seed=1)
-    load_checkpoint(folder, other, adamw(other))
+    load_checkpoint(folder, SINGLE, other, adamw(other))
     assert_same_weights(other, model)
 
 
@@ -316,7 +321,7 @@ def test_lora_checkpoint_restores_adapter_weights(tmp_path):
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 
     folder = checkpoint_dir(tmp_path, 1)
-    save_checkpoint(folder, model, optimizer, {"step": 1, "epoch": 0, "micro_batch": 1})
+    save_checkpoint(folder, SINGLE, model, optimizer, {"step": 1, "epoch": 0, "micro_batch": 1})
     assert (folder / "adapter_config.json").is_file()
     assert (folder / "adapter_model.safetensors").is_file()
     assert not (folder / "model.safetensors").exists()
@@ -328,8 +333,8 @@ def test_lora_checkpoint_restores_adapter_weights(tmp_path):
     lm_step(model, optimizer, 1)  # also moves the optimizer state on
     assert not torch.equal(next(iter(lora.values())), next(iter(saved.values())))
 
-    state = load_checkpoint(folder, model, optimizer)
-    assert state == {"step": 1, "epoch": 0, "micro_batch": 1}
+    state = load_checkpoint(folder, SINGLE, model, optimizer)
+    assert state == {"step": 1, "epoch": 0, "micro_batch": 1, "world_size": 1}
     for name, p in model.named_parameters():
         expected = saved[name] if p.requires_grad else frozen[name]
         assert torch.equal(p, expected), name

@@ -6,6 +6,7 @@ import os
 import sys
 import warnings
 
+from swiftlm.dist.launch import launch, wants_launch
 from swiftlm.errors import SwiftLMError
 
 # subcommand -> (config class path, module with run(cfg), one-line description)
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = with_default_recipe(name, rest)
         config_cls = getattr(config_module, config_name)
         cfg = parse_config(config_cls, argv, f"swiftlm {name}", description)
+        dist_args = getattr(cfg, "dist", None)
+        if dist_args is not None and wants_launch(dist_args):
+            return launch(dist_args, name, argv, cfg.output.output_dir)
         _quiet_libraries()
         importlib.import_module(module_name).run(cfg)
     except SwiftLMError as exc:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
     DataArguments,
+    DistArguments,
     GenerationArguments,
     InferArguments,
     ModelArguments,
@@ -23,6 +24,7 @@ class TrainConfig:
     tuner: TunerArguments = field(default_factory=TunerArguments)
     train: TrainArguments = field(default_factory=TrainArguments)
     output: OutputArguments = field(default_factory=OutputArguments)
+    dist: DistArguments = field(default_factory=DistArguments)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class InferConfig:
 
 __all__ = [
     "DataArguments",
+    "DistArguments",
     "GenerationArguments",
     "InferArguments",
     "InferConfig",

@@ -169,3 +169,38 @@ class InferArguments:
     max_batch_size: int = doc("Batch mode: prompts generated together.", default=8)
     stream: bool = doc("Interactive mode: print tokens as they are generated.", default=True)
     seed: int = doc("Seed for sampling.", default=42)
+
+
+@dataclass
+class DistArguments:
+    nproc_per_node: int = doc(
+        "Processes on this node; > 1 starts the job under torchrun (one process per GPU, or "
+        "per CPU group with the gloo backend).",
+        default=1,
+    )
+    nnodes: int = doc("Nodes in the job.", default=1)
+    node_rank: int = doc("Rank of this node, 0 .. nnodes-1.", default=0)
+    master_addr: str = doc("Address of the rank-0 node.", default="127.0.0.1")
+    master_port: int = doc("Port of the rank-0 node.", default=29500)
+    strategy: Literal["auto", "single", "ddp", "fsdp2"] = doc(
+        "How the model is spread over processes. auto: single for one process, ddp otherwise, "
+        "fsdp2 when --fsdp is given.",
+        default="auto",
+    )
+    fsdp: str | None = doc(
+        "ms-swift spelling: `--fsdp fsdp2` (or `full_shard`) selects --strategy fsdp2.",
+        default=None,
+    )
+    max_restarts: int = doc(
+        "Restart failed workers up to N times; each restart resumes from the newest complete "
+        "checkpoint.",
+        default=0,
+    )
+    heartbeat_timeout: float = doc(
+        "Seconds a rank may go without progress (stuck in a collective, or dead) before every "
+        "rank stops with an error naming it. 0 disables.",
+        default=600.0,
+    )
+    dist_timeout: float = doc(
+        "Timeout of every collective (process-group timeout), seconds.", default=1800.0
+    )

@@ -118,13 +118,14 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def pick_device(preference: str = "auto") -> torch.device:
+def pick_device(preference: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device for `--device`; under torchrun each process takes GPU `local_rank`."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda: CUDA is not available on this machine")
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
     if preference != "auto":
-        if preference == "cuda" and not torch.cuda.is_available():
-            raise ModelLoadError("--device cuda: CUDA is not available on this machine")
         return torch.device(preference)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")

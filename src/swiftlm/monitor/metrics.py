@@ -21,17 +21,24 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricsLogger:
     """Append one JSON object per logged step; mirror scalars to TensorBoard when asked."""
 
-    def __init__(self, run_dir: Path, report_to: list[str], resume: bool = False):
+    def __init__(
+        self, run_dir: Path, report_to: list[str], resume: bool = False, enabled: bool = True
+    ):
         self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled  # only rank 0 writes
+        self.tensorboard = None
+        if not enabled:
+            return
         if not resume and self.path.exists():
             self.path.unlink()
-        self.tensorboard = None
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tb"))
 
     def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.tensorboard is not None:
@@ -48,11 +55,17 @@ class MetricsLogger:
 class Progress:
     """A tqdm bar over optimizer steps showing loss, lr and tokens/s (tqdm adds the ETA)."""
 
-    def __init__(self, total: int, initial: int):
+    def __init__(self, total: int, initial: int, enabled: bool = True):
         from tqdm.auto import tqdm
 
+        self.enabled = enabled
         self.bar = tqdm(
-            total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr
+            total=total,
+            initial=initial,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            disable=not enabled,
         )
 
     def update(self, loss: float, lr: float, tokens_per_second: float) -> None:
@@ -60,7 +73,8 @@ class Progress:
         self.bar.update(1)
 
     def write(self, text: str) -> None:
-        self.bar.write(text)
+        if self.enabled:
+            self.bar.write(text)
 
     def close(self) -> None:
         self.bar.close()

@@ -98,30 +98,65 @@ def restore_rng(tensors: dict, meta: dict) -> None:
 # ---- save / load ----------------------------------------------------------------------------
 
 
-def save_checkpoint(folder: Path, model, optimizer, state: dict, tokenizer=None) -> None:
-    """Write a complete checkpoint; `COMPLETE` goes last so a crash leaves it incomplete."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
+def rng_file(rank: int) -> str:
+    """Each rank has its own random streams (dropout masks differ per rank)."""
+    return RNG_TENSORS if rank == 0 else f"rng-rank{rank}.safetensors"
+
+
+def save_weights_and_optimizer(folder: Path, model, optimizer) -> None:
+    """Weights as `save_pretrained` writes them (loadable as is) + the optimizer state."""
     model.save_pretrained(folder, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
     opt_tensors, opt_meta = optimizer_to_files(optimizer)
     save_file(opt_tensors, str(folder / OPTIMIZER_TENSORS))
     (folder / OPTIMIZER_META).write_text(json.dumps(opt_meta))
+
+
+def load_weights_and_optimizer(folder: Path, model, optimizer) -> None:
+    load_model_weights(folder, model)
+    meta = json.loads((folder / OPTIMIZER_META).read_text())
+    tensors = load_file(str(folder / OPTIMIZER_TENSORS))
+    optimizer.load_state_dict(optimizer_from_files(tensors, meta))
+
+
+def save_pretrained_atomically(model, tokenizer, folder: Path) -> None:
+    """Write a loadable model/adapter + tokenizer via a staging folder, then rename."""
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def save_checkpoint(folder: Path, strategy, model, optimizer, state: dict, tokenizer=None) -> None:
+    """Write a complete checkpoint; `COMPLETE` goes last so a crash leaves it incomplete."""
+    ctx = strategy.ctx
+    if ctx.is_main:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+    ctx.barrier()
+    strategy.save_state(folder, model, optimizer)
     rng_tensors, rng_meta = capture_rng()
-    save_file(rng_tensors, str(folder / RNG_TENSORS))
-    (folder / STATE_FILE).write_text(json.dumps({**state, "rng": rng_meta}, indent=1))
-    (folder / COMPLETE).write_text(f"step {state['step']}\n")
+    save_file(rng_tensors, str(folder / rng_file(ctx.rank)))
+    (folder / f"{rng_file(ctx.rank)}.json").write_text(json.dumps(rng_meta))
+    ctx.barrier()
+    if ctx.is_main:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        (folder / STATE_FILE).write_text(
+            json.dumps({**state, "world_size": ctx.world_size}, indent=1)
+        )
+        (folder / COMPLETE).write_text(f"step {state['step']}\n")
+    ctx.barrier()
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All safetensors weights of a model/adapter folder (sharded or not)."""
     files = sorted(folder.glob("*.safetensors"))
-    skip = {OPTIMIZER_TENSORS, RNG_TENSORS}
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        if file.name not in skip:
+        if file.name != OPTIMIZER_TENSORS and not file.name.startswith("rng"):
             weights.update(load_file(str(file)))
     return weights
 
@@ -159,21 +194,24 @@ def _tied_parameter_names(model) -> set[str]:
     return tied
 
 
-def load_checkpoint(folder: Path, model, optimizer) -> dict:
+def load_checkpoint(folder: Path, strategy, model, optimizer, log=print) -> dict:
     """Restore weights, optimizer and RNG in place; return the saved trainer state."""
     if not is_complete(folder):
         raise CheckpointError(
             f"{folder} is incomplete (no {COMPLETE} marker: the run stopped while saving it); "
             "resume from an earlier checkpoint or use --resume_from_checkpoint auto"
         )
-    load_model_weights(folder, model)
-    meta = json.loads((folder / OPTIMIZER_META).read_text())
-    optimizer.load_state_dict(
-        optimizer_from_files(load_file(str(folder / OPTIMIZER_TENSORS)), meta)
-    )
-    state = json.loads((folder / STATE_FILE).read_text())
-    restore_rng(load_file(str(folder / RNG_TENSORS)), state.pop("rng"))
-    return state
+    strategy.load_state(folder, model, optimizer)
+    rank_rng = folder / rng_file(strategy.ctx.rank)
+    if rank_rng.is_file():
+        meta = json.loads(rank_rng.with_name(rank_rng.name + ".json").read_text())
+        restore_rng(load_file(str(rank_rng)), meta)
+    else:  # resumed with more ranks than saved: this rank's streams cannot be continued
+        log(f"{folder} has no random state for rank {strategy.ctx.rank}; reseeding it")
+        torch.manual_seed(
+            1_000_003 * strategy.ctx.rank + json.loads((folder / STATE_FILE).read_text())["step"]
+        )
+    return json.loads((folder / STATE_FILE).read_text())
 
 
 def prune_checkpoints(run_dir: Path, keep: int | None) -> list[Path]:

@@ -17,6 +17,9 @@ import torch
 
 from swiftlm.config.sections import OutputArguments, TrainArguments
 from swiftlm.data.collate import collate
+from swiftlm.data.encode import IGNORE_INDEX
+from swiftlm.dist.heartbeat import Heartbeat
+from swiftlm.dist.strategy import Strategy
 from swiftlm.errors import SwiftLMError
 from swiftlm.monitor.metrics import MetricsLogger, Progress, Throughput, peak_memory_gib
 from swiftlm.train import checkpoint as ckpt
@@ -45,6 +48,8 @@ class TrainingJob:
     args: TrainArguments
     output: OutputArguments
     run_dir: Path
+    strategy: Strategy = None  # type: ignore[assignment]  # set by the command
+    heartbeat: Heartbeat | None = None  # hang detection across ranks
     log: Callable[[str], None] = print
 
 
@@ -96,30 +101,60 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def rank_batches(job: TrainingJob, step_indices: list[list[int]]) -> list[dict]:
+    """This rank's share of each global micro-batch, padded into tensors.
+
+    A rank whose share of a short last micro-batch is empty still runs a fully masked sample:
+    it adds nothing to the loss but keeps the collectives of every rank in step.
+    """
+    size, rank = job.args.per_device_train_batch_size, job.strategy.dp_rank
+    pad = job.tokenizer.pad_token_id
+    batches = []
+    for indices in step_indices:
+        mine = [job.train_data[i] for i in indices[rank * size : (rank + 1) * size]]
+        if not mine:
+            mine = [
+                {
+                    **job.train_data[indices[0]],
+                    "labels": [IGNORE_INDEX] * len(job.train_data[indices[0]]["labels"]),
+                }
+            ]
+        batches.append(collate(mine, pad))
+    return batches
+
+
 def forward_backward(
     job: TrainingJob, precision: Precision, batches: list[dict]
 ) -> tuple[float, int, int]:
-    """Accumulate gradients of one optimizer step; return (mean loss, label tokens, tokens)."""
-    label_tokens = sum(count_label_tokens(b["labels"]) for b in batches)
-    input_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    total = 0.0
-    for batch in batches:
-        with precision.autocast():
-            loss_sum, _ = job.loss_fn(job.model, _to_device(batch, job.device))
-        precision.backward(loss_sum / max(label_tokens, 1))
-        total += float(loss_sum.detach())
-    return total / max(label_tokens, 1), label_tokens, input_tokens
+    """Accumulate gradients of one optimizer step; return (mean loss, label tokens, tokens).
+
+    Every micro-batch's loss sum is divided by the label tokens of the whole step on all
+    ranks. Data-parallel wrappers average gradients over ranks, so the loss is also multiplied
+    by their number: the result is the gradient of the global mean token loss.
+    """
+    ctx, strategy = job.strategy.ctx, job.strategy
+    label_tokens = ctx.all_reduce_sum(sum(count_label_tokens(b["labels"]) for b in batches))
+    scale = strategy.dp_size / max(label_tokens, 1)
+    local_loss = 0.0
+    for i, batch in enumerate(batches):
+        with strategy.no_sync(job.model, sync=i == len(batches) - 1):
+            with precision.autocast():
+                loss_sum, _ = job.loss_fn(job.model, _to_device(batch, job.device))
+            precision.backward(loss_sum * scale)
+        local_loss += float(loss_sum.detach())
+    input_tokens = ctx.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches))
+    loss = ctx.all_reduce_sum(local_loss) / max(label_tokens, 1)
+    return loss, int(label_tokens), int(input_tokens)
 
 
 def clip_and_step(
     job: TrainingJob, optimizer, scheduler, precision: Precision, loss: float, state: LoopState
 ) -> float:
     """Clip (logging the pre-clip norm), then step unless the loss or gradient is non-finite."""
-    params = [p for p in job.model.parameters() if p.requires_grad]
     if precision.scaler:
         precision.scaler.unscale_(optimizer)
     max_norm = job.args.max_grad_norm if job.args.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grad_norm = job.strategy.clip_grad_norm(job.model, max_norm)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if not finite and precision.scaler is None:
         if job.args.nonfinite_loss == "error":
@@ -148,15 +183,18 @@ def evaluate(job: TrainingJob, precision: Precision) -> float | None:
     job.model.eval()
     size = job.args.per_device_eval_batch_size
     pad = job.tokenizer.pad_token_id
+    # Each data-parallel rank evaluates every dp_size-th sample; the sums are combined.
+    mine = job.val_data[job.strategy.dp_rank :: job.strategy.dp_size]
     loss_sum, tokens = 0.0, 0
-    for i in range(0, len(job.val_data), size):
-        batch = collate(job.val_data[i : i + size], pad)
+    for i in range(0, len(mine), size):
+        batch = collate(mine[i : i + size], pad)
         with precision.autocast():
             batch_loss, _ = job.loss_fn(job.model, _to_device(batch, job.device))
         loss_sum += float(batch_loss)
         tokens += count_label_tokens(batch["labels"])
     job.model.train(was_training)
-    return loss_sum / max(tokens, 1)
+    ctx = job.strategy.ctx
+    return ctx.all_reduce_sum(loss_sum) / max(ctx.all_reduce_sum(tokens), 1)
 
 
 def _resume(job: TrainingJob, optimizer, scheduler, precision: Precision) -> LoopState:
@@ -171,7 +209,7 @@ def _resume(job: TrainingJob, optimizer, scheduler, precision: Precision) -> Loo
     if folder is None:
         job.log(f"no complete checkpoint in {job.run_dir / 'checkpoints'}; starting from scratch")
         return LoopState()
-    saved = ckpt.load_checkpoint(folder, job.model, optimizer)
+    saved = ckpt.load_checkpoint(folder, job.strategy, job.model, optimizer, job.log)
     if saved["num_train_samples"] != len(job.train_data):
         raise ckpt.CheckpointError(
             f"{folder} was saved with {saved['num_train_samples']} training samples, this run has "
@@ -195,9 +233,10 @@ def _resume(job: TrainingJob, optimizer, scheduler, precision: Precision) -> Loo
 def _save(job: TrainingJob, optimizer, scheduler, precision: Precision, state: LoopState) -> None:
     folder = ckpt.checkpoint_dir(job.run_dir, state.step)
     payload = state.to_json(len(job.train_data), scheduler, precision.scaler)
-    ckpt.save_checkpoint(folder, job.model, optimizer, payload, job.tokenizer)
-    for removed in ckpt.prune_checkpoints(job.run_dir, job.output.save_total_limit):
-        job.log(f"removed old checkpoint {removed.name}")
+    ckpt.save_checkpoint(folder, job.strategy, job.model, optimizer, payload, job.tokenizer)
+    if job.strategy.ctx.is_main:
+        for removed in ckpt.prune_checkpoints(job.run_dir, job.output.save_total_limit):
+            job.log(f"removed old checkpoint {removed.name}")
 
 
 class LogWindow:
@@ -224,10 +263,18 @@ class LogWindow:
         return row
 
 
+def _beat(job: TrainingJob, step: int, phase: str) -> None:
+    if job.heartbeat is not None:
+        job.heartbeat.beat(step, phase)
+
+
 def plan_steps(job: TrainingJob) -> tuple[int, int]:
     """(total optimizer steps, steps per epoch)."""
     a, n = job.args, len(job.train_data)
-    size, accumulation = a.per_device_train_batch_size, a.gradient_accumulation_steps
+    size, accumulation = (
+        a.per_device_train_batch_size * job.strategy.dp_size,
+        a.gradient_accumulation_steps,
+    )
     return (
         total_steps(n, size, accumulation, a.num_train_epochs, a.max_steps),
         steps_per_epoch(n, size, accumulation),
@@ -242,12 +289,13 @@ def run_training(job: TrainingJob) -> dict:
     scheduler = build_scheduler(optimizer, args, num_steps)
     precision = Precision(job.device, job.compute_dtype)
     state = _resume(job, optimizer, scheduler, precision)
-    metrics = MetricsLogger(job.run_dir, out.report_to, resume=state.step > 0)
-    progress, window = Progress(num_steps, state.step), LogWindow()
+    main = job.strategy.ctx.is_main
+    metrics = MetricsLogger(job.run_dir, out.report_to, resume=state.step > 0, enabled=main)
+    progress, window = Progress(num_steps, state.step, enabled=main), LogWindow()
     eval_every = out.eval_steps or out.save_steps
     steps = iterate_steps(
         len(job.train_data),
-        args.per_device_train_batch_size,
+        args.per_device_train_batch_size * job.strategy.dp_size,
         args.gradient_accumulation_steps,
         args.seed,
         state.position,
@@ -257,10 +305,11 @@ def run_training(job: TrainingJob) -> dict:
     try:
         while state.step < num_steps:
             indices, next_position = next(steps)
-            pad = job.tokenizer.pad_token_id
-            batches = [collate([job.train_data[i] for i in b], pad) for b in indices]
+            batches = rank_batches(job, indices)
             lr = optimizer.param_groups[0]["lr"]
+            _beat(job, state.step + 1, "forward/backward")
             loss, label_tokens, input_tokens = forward_backward(job, precision, batches)
+            _beat(job, state.step + 1, "optimizer step")
             grad_norm = clip_and_step(job, optimizer, scheduler, precision, loss, state)
             state.step, state.position = state.step + 1, next_position
             state.tokens_seen += input_tokens
@@ -281,11 +330,13 @@ def run_training(job: TrainingJob) -> dict:
                     }
                 )
             if job.val_data and (state.step % eval_every == 0 or last):
+                _beat(job, state.step, "evaluation")
                 state.last_eval_loss = evaluate(job, precision)
                 metrics.log({"step": state.step, "eval_loss": state.last_eval_loss})
                 progress.write(f"step {state.step}: eval_loss {state.last_eval_loss:.4f}")
             state.train_seconds = time.perf_counter() - started
             if state.step % out.save_steps == 0 or last:
+                _beat(job, state.step, "checkpoint save")
                 _save(job, optimizer, scheduler, precision, state)
     finally:
         progress.close()

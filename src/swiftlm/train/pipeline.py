@@ -1,7 +1,7 @@
 """The steps shared by `swiftlm sft` and `swiftlm pt`: config -> model -> data -> loop -> final/."""
 
 import dataclasses
-import shutil
+import os
 import time
 from pathlib import Path
 
@@ -10,6 +10,9 @@ import torch
 from swiftlm.config import TrainConfig, save_config
 from swiftlm.data.encode import encode_chat_samples, encode_pretraining
 from swiftlm.data.loading import load_samples, split_samples
+from swiftlm.dist.env import init_distributed, shutdown_distributed
+from swiftlm.dist.heartbeat import Heartbeat
+from swiftlm.dist.strategy import build_strategy
 from swiftlm.errors import ConfigError
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.monitor.metrics import format_summary
@@ -107,15 +110,17 @@ def prepare_model(
     return apply_tuner(model, cfg.tuner)
 
 
-def save_final(model, tokenizer, run_dir: Path) -> Path:
-    """Write final/ (adapter or full model + tokenizer) via a staging folder, then rename."""
-    final, staging = run_dir / "final", run_dir / "final.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    return final
+def _silent(_: str) -> None:
+    """Logging on ranks other than 0."""
+
+
+def resume_after_restart(cfg: TrainConfig) -> TrainConfig:
+    """A worker restarted by torchrun (--max_restarts) resumes from the newest checkpoint."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return cfg
+    return dataclasses.replace(
+        cfg, output=dataclasses.replace(cfg.output, resume_from_checkpoint="auto")
+    )
 
 
 def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
@@ -123,29 +128,35 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
     from transformers import set_seed
 
     check_config(cfg)
-    resolved = resolve_model(cfg.model.model)
-    cfg = resolve_defaults(cfg, kind, resolved.name)
+    ctx = init_distributed(cfg.dist.dist_timeout)
+    log = log if ctx.is_main else _silent
+    resolved = resolve_model(cfg.model.model) if ctx.is_main else None
+    resolved = ctx.broadcast_object(resolved)  # rank 0 converts a GGUF once; others reuse it
+    cfg = resume_after_restart(resolve_defaults(cfg, kind, resolved.name))
     run_dir = Path(cfg.output.output_dir)
-    device = pick_device(cfg.model.device)
+    device = pick_device(cfg.model.device, ctx.local_rank)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
+    strategy = build_strategy(cfg.dist, ctx, device)
     log(
-        f"model {resolved.requested} on {device} ({str(compute_dtype).replace('torch.', '')} compute)"
+        f"model {resolved.requested} on {device} x {ctx.world_size} ({type(strategy).__name__}, "
+        f"{str(compute_dtype).replace('torch.', '')} compute)"
     )
     tokenizer = load_tokenizer(resolved.path)
     train, val = load_splits(cfg, kind, log)
     train_data = encode_samples(cfg, tokenizer, train, kind, log)
     val_data = encode_samples(cfg, tokenizer, val, kind, log)
     log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
-    set_seed(cfg.train.seed)
+    set_seed(cfg.train.seed)  # the same initial weights on every rank
     model = prepare_model(cfg, resolved.path, device, compute_dtype)
     trainable, total = count_parameters(model)
     log(
         f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.2f}%)"
     )
-    save_config(cfg, run_dir / "config.yaml")
+    if ctx.is_main:
+        save_config(cfg, run_dir / "config.yaml")
     job = TrainingJob(
-        model=model,
+        model=strategy.wrap(model),
         tokenizer=tokenizer,
         loss_fn=causal_lm_loss,
         train_data=train_data,
@@ -155,9 +166,19 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         args=cfg.train,
         output=cfg.output,
         run_dir=run_dir,
+        strategy=strategy,
+        heartbeat=Heartbeat(ctx, cfg.dist.heartbeat_timeout, run_dir) if ctx.distributed else None,
         log=log,
     )
-    summary = run_training(job)
-    summary["output"] = str(save_final(model, tokenizer, run_dir))
+    try:
+        if job.heartbeat:
+            job.heartbeat.start()
+        summary = run_training(job)
+        strategy.save_final(job.model, tokenizer, run_dir / "final")
+    finally:
+        if job.heartbeat:
+            job.heartbeat.stop()
+        shutdown_distributed()
+    summary["output"] = str(run_dir / "final")
     log(format_summary(summary))
     return summary

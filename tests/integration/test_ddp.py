@@ -1,0 +1,66 @@
+"""DDP over 2 gloo ranks on CPU equals one process with the same global batch.
+
+Each 2-rank launch costs ~7 s (two torch imports), so one launch covers several checks.
+"""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from swiftlm.cli.main import main
+
+COMMON = [
+    "--torch_dtype",
+    "float32",
+    "--report_to",
+    "none",
+    "--logging_steps",
+    "1",
+    "--lora_dropout",
+    "0",
+    "--learning_rate",
+    "1e-2",
+    "--max_steps",
+    "5",
+    "--gradient_accumulation_steps",
+    "2",
+    "--save_steps",
+    "5",
+]
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_ddp_two_ranks_match_a_single_process(tiny_model_dir, chat_jsonl, tmp_path, capfd):
+    base = ["sft", "--model", str(tiny_model_dir), "--dataset", str(chat_jsonl), *COMMON]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert main([*base, "--output_dir", str(single), "--per_device_train_batch_size", "4"]) == 0
+    assert (
+        main(
+            [
+                *base,
+                "--output_dir",
+                str(ddp),
+                "--per_device_train_batch_size",
+                "2",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                "29517",
+            ]
+        )
+        == 0
+    )
+    assert "x 2 (DDPStrategy" in capfd.readouterr().out
+    assert losses(ddp) == pytest.approx(losses(single), abs=1e-5)
+    a = load_file(single / "final" / "adapter_model.safetensors")
+    b = load_file(ddp / "final" / "adapter_model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    # One metrics writer (rank 0) and one consolidated checkpoint with a RNG file per rank.
+    assert len(losses(ddp)) == 5
+    step = ddp / "checkpoints" / "step-5"
+    assert (step / "COMPLETE").is_file() and (step / "rng-rank1.safetensors").is_file()
