@@ -204,3 +204,13 @@ class DistArguments:
     dist_timeout: float = doc(
         "Timeout of every collective (process-group timeout), seconds.", default=1800.0
     )
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = doc(
+        "DDP gradient compression before the all-reduce: half precision, PowerSGD low-rank, or "
+        "top-k sparsification with error feedback.",
+        default="none",
+    )
+    topk_ratio: float = doc("Share of gradient entries top-k compression sends.", default=0.1)
+    async_save: bool = doc(
+        "FSDP2: write sharded checkpoints in the background while training continues.",
+        default=False,
+    )

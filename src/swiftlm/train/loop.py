@@ -93,8 +93,8 @@ class Precision:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler else loss
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -140,7 +140,9 @@ def forward_backward(
         with strategy.no_sync(job.model, sync=i == len(batches) - 1):
             with precision.autocast():
                 loss_sum, _ = job.loss_fn(job.model, _to_device(batch, job.device))
-            precision.backward(loss_sum * scale)
+            strategy.backward(
+                precision.scale(loss_sum * scale), last_micro_batch=i == len(batches) - 1
+            )
         local_loss += float(loss_sum.detach())
     input_tokens = ctx.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches))
     loss = ctx.all_reduce_sum(local_loss) / max(label_tokens, 1)
@@ -150,25 +152,23 @@ def forward_backward(
 def clip_and_step(
     job: TrainingJob, optimizer, scheduler, precision: Precision, loss: float, state: LoopState
 ) -> float:
-    """Clip (logging the pre-clip norm), then step unless the loss or gradient is non-finite."""
-    if precision.scaler:
-        precision.scaler.unscale_(optimizer)
+    """Clip and step (the strategy logs the pre-clip norm); follow --nonfinite_loss.
+
+    The loss is already summed over ranks, so every rank takes the same decision.
+    """
     max_norm = job.args.max_grad_norm if job.args.max_grad_norm > 0 else float("inf")
-    grad_norm = job.strategy.clip_grad_norm(job.model, max_norm)
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if not finite and precision.scaler is None:
+    if not math.isfinite(loss) and precision.scaler is None:
         if job.args.nonfinite_loss == "error":
             raise NonFiniteLossError(
-                f"step {state.step + 1}: loss {loss}, grad norm {grad_norm}. Lower --learning_rate, "
-                "use --torch_dtype bfloat16/float32, or pass --nonfinite_loss skip"
+                f"step {state.step + 1}: loss {loss}. Lower --learning_rate, use "
+                "--torch_dtype bfloat16/float32, or pass --nonfinite_loss skip"
             )
+        grad_norm = float("nan")
+    else:
+        grad_norm = job.strategy.clip_and_step(job.model, optimizer, max_norm, precision.scaler)
+    if not math.isfinite(grad_norm) and precision.scaler is None:
         state.skipped_steps += 1
         job.log(f"step {state.step + 1}: non-finite loss/gradient, step skipped")
-    elif precision.scaler:
-        precision.scaler.step(optimizer)  # skips the update itself on inf/nan gradients
-        precision.scaler.update()
-    else:
-        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -1,0 +1,1 @@
+"""Distributed training: process groups, launching under torchrun, and strategies."""

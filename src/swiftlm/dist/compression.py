@@ -1,0 +1,297 @@
+"""Gradient compression for DDP: communication hooks that send fewer bytes per step.
+
+`--grad_compression` picks how DDP exchanges each gradient bucket:
+
+- none: plain fp32 all-reduce (DDP's default), counted so that savings can be compared.
+- fp16: torch's `fp16_compress_hook`, half the bytes.
+- bf16: a cast hook written here, half the bytes. torch's own `bf16_compress_hook` refuses any
+  backend but NCCL/XCCL by its name, although gloo all-reduces bfloat16 fine.
+- powersgd: torch's PowerSGD (rank-1 factors with error feedback) after two plain steps.
+- topk: each rank sends only the `--topk_ratio` largest entries of its bucket (values and
+  int32 indices, exchanged with all-gather). The entries it drops are kept as a residual and
+  added to the next step's gradient (error feedback), so no gradient mass is lost, only late.
+
+Every hook adds to a `CommStats`: the bytes each rank sends per optimizer step under the
+textbook ring algorithms (all-reduce: 2(n-1)/n x payload; all-gather: (n-1) x payload), next
+to what a plain all-reduce of the same buckets would send. The ring model keeps the
+comparison honest as ranks are added: top-k's all-gather grows with the world size, an
+all-reduce does not. At 2 ranks both equal the payload.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from swiftlm.config.sections import DistArguments
+from swiftlm.errors import ConfigError
+
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
+INDEX_DTYPE = torch.int32  # half the bytes of int64; a bucket holds far fewer than 2**31 entries
+# PowerSGD's hyperparameters are fixed here rather than flags: rank 1 still compresses the
+# small matrices of LoRA adapters, and two plain steps let DDP rebuild its buckets first
+# (torch requires >= 2 with error feedback for that reason).
+POWERSGD_RANK = 1
+POWERSGD_START_STEP = 2
+
+
+# ---- byte accounting ---------------------------------------------------------------------
+
+
+def allreduce_wire_bytes(payload: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `payload` bytes."""
+    return round(2 * (world_size - 1) * payload / world_size)
+
+
+def allgather_wire_bytes(payload: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-gather where each rank contributes `payload` bytes."""
+    return (world_size - 1) * payload
+
+
+@dataclass
+class CommStats:
+    """Gradient bytes this rank sends, per optimizer step, next to the uncompressed cost."""
+
+    method: str
+    sent: int = 0  # since the last `read_and_reset`
+    dense: int = 0
+    steps: int = 0
+    total_sent: int = 0  # whole run, for the summary line
+    total_dense: int = 0
+    total_steps: int = 0
+
+    def add(self, sent: int, dense: int, ends_step: bool) -> None:
+        """Count one bucket; `ends_step` marks the step's last bucket (DDP's `is_last`)."""
+        self.sent, self.dense = self.sent + sent, self.dense + dense
+        self.total_sent, self.total_dense = self.total_sent + sent, self.total_dense + dense
+        if ends_step:
+            self.steps, self.total_steps = self.steps + 1, self.total_steps + 1
+
+    def read_and_reset(self) -> int | None:
+        """Mean bytes per step since the last call (None if no step ended), then start over.
+
+        Averaging over the window lets the loop log every `--logging_steps` without losing
+        the steps in between.
+        """
+        per_step = round(self.sent / self.steps) if self.steps else None
+        self.sent, self.dense, self.steps = 0, 0, 0
+        return per_step
+
+    def per_step(self) -> float:
+        return self.total_sent / max(self.total_steps, 1)
+
+    def ratio(self) -> float:
+        """Bytes sent over the bytes a plain all-reduce would have sent, whole run."""
+        return self.total_sent / max(self.total_dense, 1)
+
+    def summary(self) -> str:
+        return (
+            f"grad compression {self.method}: {self.per_step():,.0f} bytes sent per rank per step "
+            f"({100 * self.ratio():.1f}% of uncompressed, {self.total_steps} steps)"
+        )
+
+
+def _dense_bytes(bucket: dist.GradBucket, world_size: int) -> int:
+    buffer = bucket.buffer()
+    return allreduce_wire_bytes(buffer.numel() * buffer.element_size(), world_size)
+
+
+# ---- top-k with error feedback: pure math ------------------------------------------------
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """Entries kept out of `numel`: at least one, so every bucket still moves."""
+    return min(numel, max(1, math.ceil(ratio * numel)))
+
+
+def topk_compress(
+    grad: torch.Tensor, residual: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, indices, new residual) of the k largest-magnitude entries of grad + residual.
+
+    The new residual is what was not sent (corrected - sent): it joins the next step's gradient.
+    """
+    corrected = grad + residual
+    indices = corrected.abs().topk(k, sorted=False).indices
+    values = corrected[indices]
+    new_residual = corrected.index_fill_(0, indices, 0)  # `corrected` is ours to reuse
+    return values, indices.to(INDEX_DTYPE), new_residual
+
+
+def topk_decompress(
+    numel: int, values: torch.Tensor, indices: torch.Tensor, world_size: int
+) -> torch.Tensor:
+    """Mean over ranks of their sparse gradients, given every rank's values and indices."""
+    dense = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    dense.index_add_(0, indices, values)  # ranks may pick the same entry: add, don't overwrite
+    return dense.div_(world_size)
+
+
+def topk_payload_bytes(k: int, value_dtype: torch.dtype) -> int:
+    """Bytes one rank contributes for a bucket: k values and k indices."""
+    value_size = torch.tensor([], dtype=value_dtype).element_size()
+    index_size = torch.tensor([], dtype=INDEX_DTYPE).element_size()
+    return k * (value_size + index_size)
+
+
+# ---- hooks ------------------------------------------------------------------------------
+
+
+@dataclass
+class HookState:
+    process_group: dist.ProcessGroup | None
+    stats: CommStats
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+
+@dataclass
+class TopKState(HookState):
+    ratio: float
+    # bucket index -> (the bucket's parameters, residual over its flat buffer)
+    residuals: dict[int, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
+
+    def residual_for(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """The bucket's residual from the last step, or zeros.
+
+        DDP rebuilds its buckets once, after the first step; a residual laid out for a bucket
+        holding other parameters no longer lines up, so it starts over at zero.
+        """
+        saved = self.residuals.get(bucket.index())
+        if saved is not None and saved[0] == _layout(bucket):
+            return saved[1]
+        return torch.zeros_like(bucket.buffer())
+
+    def keep_residual(self, bucket: dist.GradBucket, residual: torch.Tensor) -> None:
+        self.residuals[bucket.index()] = (_layout(bucket), residual)
+
+
+def _layout(bucket: dist.GradBucket) -> tuple[int, ...]:
+    return tuple(id(p) for p in bucket.parameters())
+
+
+def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default all-reduce, counted."""
+    dense = _dense_bytes(bucket, state.world_size)
+    state.stats.add(dense, dense, bucket.is_last())
+    return default_hooks.allreduce_hook(state.process_group, bucket)
+
+
+def fp16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's fp16 compression, counted."""
+    _count_cast(state, bucket, torch.float16)
+    return default_hooks.fp16_compress_hook(state.process_group, bucket)
+
+
+def bf16_cast_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce the bucket in bfloat16 and cast the mean back, on any backend."""
+    _count_cast(state, bucket, torch.bfloat16)
+    buffer = bucket.buffer()
+    # Divide before summing so that the sum cannot overflow (as torch's fp16 hook does).
+    compressed = buffer.to(torch.bfloat16).div_(state.world_size)
+    work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        return buffer.copy_(fut.value()[0])  # in place: no second fp32 copy of the bucket
+
+    return work.get_future().then(decompress)
+
+
+def _count_cast(state: HookState, bucket: dist.GradBucket, dtype: torch.dtype) -> None:
+    numel, world = bucket.buffer().numel(), state.world_size
+    sent = allreduce_wire_bytes(numel * torch.tensor([], dtype=dtype).element_size(), world)
+    state.stats.add(sent, _dense_bytes(bucket, world), bucket.is_last())
+
+
+@dataclass
+class PowerSGDCountingState(HookState):
+    powersgd: powersgd.PowerSGDState
+
+
+def powersgd_hook(
+    state: PowerSGDCountingState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's PowerSGD, counted from the element counts it keeps itself."""
+    ps, world = state.powersgd, state.world_size
+    dense = _dense_bytes(bucket, world)
+    plain = ps.iter < ps.start_powerSGD_iter  # PowerSGD all-reduces plainly before its start
+    before = ps.total_numel_after_compression
+    fut = powersgd.powerSGD_hook(ps, bucket)
+    elements = ps.total_numel_after_compression - before
+    sent = dense if plain else allreduce_wire_bytes(elements * bucket.buffer().element_size(), world)
+    state.stats.add(sent, dense, bucket.is_last())
+    return fut
+
+
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Send the largest entries (+ residual) of this rank's bucket; average all ranks' picks."""
+    buffer, world = bucket.buffer(), state.world_size
+    k = topk_count(buffer.numel(), state.ratio)
+    values, indices, residual = topk_compress(buffer, state.residual_for(bucket), k)
+    state.keep_residual(bucket, residual)
+    sent = allgather_wire_bytes(topk_payload_bytes(k, values.dtype), world)
+    state.stats.add(sent, _dense_bytes(bucket, world), bucket.is_last())
+    # k is the same on every rank for a given bucket, so all-gather's equal sizes hold.
+    all_values = [torch.empty_like(values) for _ in range(world)]
+    all_indices = [torch.empty_like(indices) for _ in range(world)]
+    futures = [
+        dist.all_gather(out, mine, group=state.process_group, async_op=True).get_future()
+        for out, mine in ((all_values, values), (all_indices, indices))
+    ]
+
+    def decompress(_: torch.futures.Future) -> torch.Tensor:
+        mean = topk_decompress(buffer.numel(), torch.cat(all_values), torch.cat(all_indices), world)
+        return buffer.copy_(mean)
+
+    return torch.futures.collect_all(futures).then(decompress)
+
+
+# ---- choosing ---------------------------------------------------------------------------
+
+
+def check_compression(args: DistArguments) -> None:
+    """Reject a bad --grad_compression / --topk_ratio before any model is loaded."""
+    if args.grad_compression not in COMPRESSIONS:
+        raise ConfigError(
+            f"--grad_compression {args.grad_compression}: use one of {', '.join(COMPRESSIONS)}"
+        )
+    if args.grad_compression == "topk" and not 0 < args.topk_ratio <= 1:
+        raise ConfigError(
+            f"--topk_ratio {args.topk_ratio}: must be in (0, 1], the fraction of gradient "
+            "entries each rank sends (e.g. 0.1)"
+        )
+
+
+def register_compression(
+    ddp_model: torch.nn.Module, args: DistArguments, process_group: dist.ProcessGroup | None = None
+) -> CommStats:
+    """Register the communication hook that --grad_compression names; return its byte counter.
+
+    Must run before the first forward. `none` also registers a (counting) hook, in place of
+    DDP's built-in C++ all-reduce, so that every run can report its bytes.
+    """
+    check_compression(args)
+    method = args.grad_compression
+    stats = CommStats(method)
+    common = HookState(process_group, stats)
+    if method == "powersgd":
+        ps = powersgd.PowerSGDState(
+            process_group=process_group,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=POWERSGD_START_STEP,
+        )
+        state, hook = PowerSGDCountingState(process_group, stats, ps), powersgd_hook
+    elif method == "topk":
+        state, hook = TopKState(process_group, stats, ratio=args.topk_ratio), topk_hook
+    else:
+        hooks = {"none": allreduce_hook, "fp16": fp16_hook, "bf16": bf16_cast_hook}
+        state, hook = common, hooks[method]
+    ddp_model.register_comm_hook(state, hook)
+    return stats

@@ -1,0 +1,77 @@
+"""The one interface the training loop uses to run on one process or many.
+
+A strategy wraps the model (DDP, FSDP2 ...), says where its data-parallel slice is, clips the
+gradient, and saves/loads weights + optimizer inside a checkpoint folder. The loop never
+branches on the strategy's name.
+"""
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from swiftlm.config.sections import DistArguments
+from swiftlm.dist.env import DistContext
+from swiftlm.errors import ConfigError
+
+
+class Strategy(Protocol):
+    ctx: DistContext
+
+    @property
+    def dp_rank(self) -> int: ...  # this process's data-parallel slice
+
+    @property
+    def dp_size(self) -> int: ...  # number of data-parallel slices
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def no_sync(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager: ...
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float: ...
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None: ...
+
+    def clip_and_step(self, model: torch.nn.Module, optimizer, max_norm: float, scaler) -> float:
+        """Clip to max_norm and update; return the pre-clip gradient norm (nan: skipped)."""
+        ...
+
+    def save_state(self, folder: Path, model: torch.nn.Module, optimizer) -> None: ...
+
+    def load_state(self, folder: Path, model: torch.nn.Module, optimizer) -> None: ...
+
+    def save_final(self, model: torch.nn.Module, tokenizer, folder: Path) -> None: ...
+
+
+def choose_strategy_name(args: DistArguments, world_size: int) -> str:
+    if args.fsdp is not None:
+        if args.fsdp not in ("fsdp2", "full_shard", "shard"):
+            raise ConfigError(f"--fsdp {args.fsdp}: use fsdp2 (FSDP2, fully_shard per layer)")
+        if args.strategy not in ("auto", "fsdp2"):
+            raise ConfigError(f"--fsdp conflicts with --strategy {args.strategy}")
+        return "fsdp2"
+    if args.strategy != "auto":
+        if args.strategy != "single" and world_size == 1:
+            return "single"  # a world of one has nothing to distribute
+        return args.strategy
+    return "single" if world_size == 1 else "ddp"
+
+
+def build_strategy(args: DistArguments, ctx: DistContext, device: torch.device) -> Strategy:
+    name = choose_strategy_name(args, ctx.world_size)
+    if name == "single" and ctx.world_size > 1:
+        raise ConfigError("--strategy single cannot run with several processes; use ddp or fsdp2")
+    if name == "single":
+        from swiftlm.dist.single import SingleStrategy
+
+        return SingleStrategy(ctx)
+    if name == "ddp":
+        from swiftlm.dist.ddp import DDPStrategy
+
+        return DDPStrategy(ctx, device, args)
+    from swiftlm.dist.fsdp2 import FSDP2Strategy
+
+    return FSDP2Strategy(ctx, device)
