@@ -182,10 +182,15 @@ class DistArguments:
     node_rank: int = doc("Rank of this node, 0 .. nnodes-1.", default=0)
     master_addr: str = doc("Address of the rank-0 node.", default="127.0.0.1")
     master_port: int = doc("Port of the rank-0 node.", default=29500)
-    strategy: Literal["auto", "single", "ddp", "fsdp2"] = doc(
-        "How the model is spread over processes. auto: single for one process, ddp otherwise, "
-        "fsdp2 when --fsdp is given.",
+    strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed"] = doc(
+        "How the model is spread over processes. auto: single for one process, ddp otherwise; "
+        "fsdp2 when --fsdp is given, deepspeed when --deepspeed is given.",
         default="auto",
+    )
+    deepspeed: str | None = doc(
+        "DeepSpeed ZeRO: zero1, zero2, zero3, zero2_offload, zero3_offload, or a JSON config "
+        "path (`auto` values are filled from the swiftlm flags).",
+        default=None,
     )
     fsdp: str | None = doc(
         "ms-swift spelling: `--fsdp fsdp2` (or `full_shard`) selects --strategy fsdp2.",
@@ -203,6 +208,11 @@ class DistArguments:
     )
     dist_timeout: float = doc(
         "Timeout of every collective (process-group timeout), seconds.", default=1800.0
+    )
+    async_save: bool = doc(
+        "FSDP2: write the sharded checkpoint in the background while training goes on; the "
+        "checkpoint is marked COMPLETE only once it is all on disk.",
+        default=False,
     )
     grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = doc(
         "DDP gradient compression before the all-reduce: half precision, PowerSGD low-rank, or "

@@ -20,6 +20,9 @@ class SingleStrategy:
     def wrap(self, model):
         return model
 
+    def attach_optimizer(self, model, optimizer):
+        return model, optimizer
+
     def unwrap(self, model):
         return model
 

@@ -5,13 +5,14 @@ gradient, and saves/loads weights + optimizer inside a checkpoint folder. The lo
 branches on the strategy's name.
 """
 
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from swiftlm.config.sections import DistArguments
+from swiftlm.config.sections import DistArguments, TrainArguments
 from swiftlm.dist.env import DistContext
 from swiftlm.errors import ConfigError
 
@@ -39,7 +40,8 @@ class Strategy(Protocol):
         """Clip to max_norm and update; return the pre-clip gradient norm (nan: skipped)."""
         ...
 
-    def save_state(self, folder: Path, model: torch.nn.Module, optimizer) -> None: ...
+    # A Future when the data is still being written in the background (COMPLETE waits on it).
+    def save_state(self, folder: Path, model: torch.nn.Module, optimizer) -> Future | None: ...
 
     def load_state(self, folder: Path, model: torch.nn.Module, optimizer) -> None: ...
 
@@ -47,12 +49,16 @@ class Strategy(Protocol):
 
 
 def choose_strategy_name(args: DistArguments, world_size: int) -> str:
+    if args.deepspeed is not None:
+        if args.fsdp is not None or args.strategy not in ("auto", "deepspeed"):
+            raise ConfigError("--deepspeed conflicts with --fsdp / --strategy; pick one engine")
+        return "deepspeed"
     if args.fsdp is not None:
         if args.fsdp not in ("fsdp2", "full_shard", "shard"):
             raise ConfigError(f"--fsdp {args.fsdp}: use fsdp2 (FSDP2, fully_shard per layer)")
         if args.strategy not in ("auto", "fsdp2"):
             raise ConfigError(f"--fsdp conflicts with --strategy {args.strategy}")
-        return "fsdp2"
+        return "fsdp2" if world_size > 1 else "single"  # one process has nothing to shard
     if args.strategy != "auto":
         if args.strategy != "single" and world_size == 1:
             return "single"  # a world of one has nothing to distribute
@@ -60,7 +66,13 @@ def choose_strategy_name(args: DistArguments, world_size: int) -> str:
     return "single" if world_size == 1 else "ddp"
 
 
-def build_strategy(args: DistArguments, ctx: DistContext, device: torch.device) -> Strategy:
+def build_strategy(
+    args: DistArguments,
+    ctx: DistContext,
+    device: torch.device,
+    compute_dtype: torch.dtype = torch.float32,
+    train: TrainArguments | None = None,
+) -> Strategy:
     name = choose_strategy_name(args, ctx.world_size)
     if name == "single" and ctx.world_size > 1:
         raise ConfigError("--strategy single cannot run with several processes; use ddp or fsdp2")
@@ -72,6 +84,10 @@ def build_strategy(args: DistArguments, ctx: DistContext, device: torch.device) 
         from swiftlm.dist.ddp import DDPStrategy
 
         return DDPStrategy(ctx, device, args)
+    if name == "deepspeed":
+        from swiftlm.dist.zero import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(ctx, device, args.deepspeed, train or TrainArguments(), compute_dtype)
     from swiftlm.dist.fsdp2 import FSDP2Strategy
 
-    return FSDP2Strategy(ctx, device)
+    return FSDP2Strategy(ctx, device, args, compute_dtype)

@@ -286,7 +286,10 @@ def run_training(job: TrainingJob) -> dict:
     args, out = job.args, job.output
     num_steps, per_epoch = plan_steps(job)
     optimizer = build_optimizer(job.model, args)
+    # The schedule drives the plain optimizer's learning rate; an engine that wraps the
+    # optimizer (DeepSpeed) reads it from the same param groups.
     scheduler = build_scheduler(optimizer, args, num_steps)
+    job.model, optimizer = job.strategy.attach_optimizer(job.model, optimizer)
     precision = Precision(job.device, job.compute_dtype)
     state = _resume(job, optimizer, scheduler, precision)
     main = job.strategy.ctx.is_main

@@ -136,7 +136,7 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
     run_dir = Path(cfg.output.output_dir)
     device = pick_device(cfg.model.device, ctx.local_rank)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
-    strategy = build_strategy(cfg.dist, ctx, device)
+    strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train)
     log(
         f"model {resolved.requested} on {device} x {ctx.world_size} ({type(strategy).__name__}, "
         f"{str(compute_dtype).replace('torch.', '')} compute)"

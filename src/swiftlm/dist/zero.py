@@ -1,0 +1,153 @@
+"""DeepSpeed ZeRO 1/2/3 (with CPU offload): optimizer state, gradients and (stage 3)
+parameters partitioned over data-parallel ranks.
+
+`--deepspeed zero1|zero2|zero3|zero2_offload|zero3_offload` picks a JSON shipped in
+`swiftlm/assets/deepspeed/`; `--deepspeed path.json` takes your own. `"auto"` values are
+filled from the swiftlm config (micro-batch, accumulation, clipping, dtype). swiftlm keeps its
+own loop: DeepSpeed's engine does the backward, the partitioned update and the checkpoint.
+"""
+
+import json
+import os
+from contextlib import nullcontext
+from importlib.resources import files
+from pathlib import Path
+
+import torch
+
+from swiftlm.config.sections import TrainArguments
+from swiftlm.dist.env import DistContext
+from swiftlm.errors import ConfigError
+from swiftlm.train import checkpoint as ckpt
+
+BUILTIN_CONFIGS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+ENGINE_STATE_DIR = "deepspeed"
+ENGINE_TAG = "state"
+
+
+def load_deepspeed_config(spec: str) -> dict:
+    """A built-in config name or a JSON file path."""
+    if spec in BUILTIN_CONFIGS:
+        return json.loads((files("swiftlm") / "assets" / "deepspeed" / f"{spec}.json").read_text())
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(
+            f"--deepspeed {spec}: not a file; use one of {', '.join(BUILTIN_CONFIGS)} or a JSON path"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--deepspeed {spec}: invalid JSON ({exc})") from None
+
+
+def fill_auto(config: dict, train: TrainArguments, compute_dtype: torch.dtype) -> dict:
+    """Replace DeepSpeed `"auto"` values with the swiftlm settings they mirror."""
+    values = {
+        "train_micro_batch_size_per_gpu": train.per_device_train_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "gradient_clipping": train.max_grad_norm,
+    }
+    filled = {k: (values.get(k, v) if v == "auto" else v) for k, v in config.items()}
+    filled.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        section = dict(filled.get(name, {}))
+        if section.get("enabled") == "auto":
+            section["enabled"] = compute_dtype == dtype
+        filled[name] = section
+    return filled
+
+
+class DeepSpeedStrategy:
+    def __init__(
+        self,
+        ctx: DistContext,
+        device: torch.device,
+        spec: str,
+        train: TrainArguments,
+        compute_dtype: torch.dtype,
+    ):
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "--deepspeed needs DeepSpeed: pip install 'swiftlm[deepspeed]'"
+            ) from None
+        self.ctx, self.device, self.spec = ctx, device, spec
+        if train.nonfinite_loss == "skip":
+            raise ConfigError(
+                "--nonfinite_loss skip is not available with --deepspeed: its engine steps on "
+                "its own schedule (its fp16 loss scaler skips overflowing steps itself)"
+            )
+        self.config = fill_auto(load_deepspeed_config(spec), train, compute_dtype)
+        self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
+        self.engine = None
+
+    dp_rank = property(lambda self: self.ctx.rank)
+    dp_size = property(lambda self: self.ctx.world_size)
+
+    def wrap(self, model):
+        return model  # the engine needs the optimizer: see attach_optimizer
+
+    def attach_optimizer(self, model, optimizer):
+        """Build the DeepSpeed engine around the model and swiftlm's own AdamW."""
+        import deepspeed
+
+        self.engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.config
+        )
+        return self.engine, ds_optimizer
+
+    def unwrap(self, model):
+        return model.module if hasattr(model, "module") else model
+
+    def no_sync(self, model, sync: bool):
+        return nullcontext()  # the engine knows the accumulation boundary itself
+
+    def backward(self, loss, last_micro_batch: bool) -> None:
+        # The loop already divides by the step's label tokens; no extra 1/accumulation.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not last_micro_batch:
+            self.engine.step()  # advances the engine's micro-step counter; no update yet
+
+    def clip_grad_norm(self, model, max_norm: float) -> float:
+        return float(self.engine.get_global_grad_norm() or 0.0)
+
+    def clip_and_step(self, model, optimizer, max_norm: float, scaler) -> float:
+        self.engine.step()  # clips (gradient_clipping) and updates at the boundary
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def save_state(self, folder: Path, model, optimizer) -> None:
+        self.engine.save_checkpoint(str(folder / ENGINE_STATE_DIR), tag=ENGINE_TAG)
+        self._save_pretrained(folder, tokenizer=None)
+
+    def load_state(self, folder: Path, model, optimizer) -> None:
+        state_dir = folder / ENGINE_STATE_DIR
+        if not state_dir.is_dir():
+            raise ckpt.CheckpointError(
+                f"{folder} was not written by DeepSpeed (no {ENGINE_STATE_DIR}/); resume it with "
+                "the strategy that saved it"
+            )
+        self.engine.load_checkpoint(
+            str(state_dir), tag=ENGINE_TAG, load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+
+    def save_final(self, model, tokenizer, folder: Path) -> None:
+        self._save_pretrained(folder, tokenizer)
+        self.ctx.barrier()
+
+    def _save_pretrained(self, folder: Path, tokenizer) -> None:
+        """A consolidated Hugging Face folder (or peft adapter) written by rank 0."""
+        module = self.engine.module
+        # Under ZeRO-3 every rank holds a shard: all of them take part in the gather.
+        state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
+        if not self.ctx.is_main:
+            return
+        if state is None:
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        if tokenizer is None:  # inside a checkpoint folder, whose COMPLETE marker comes last
+            module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        else:
+            ckpt.save_pretrained_atomically(module, tokenizer, folder, state_dict=state)
