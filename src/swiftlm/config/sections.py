@@ -182,10 +182,15 @@ class DistArguments:
     node_rank: int = doc("Rank of this node, 0 .. nnodes-1.", default=0)
     master_addr: str = doc("Address of the rank-0 node.", default="127.0.0.1")
     master_port: int = doc("Port of the rank-0 node.", default=29500)
-    strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed"] = doc(
+    strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed", "tp"] = doc(
         "How the model is spread over processes. auto: single for one process, ddp otherwise; "
-        "fsdp2 when --fsdp is given, deepspeed when --deepspeed is given.",
+        "fsdp2 with --fsdp, deepspeed with --deepspeed, tp with --tensor_parallel_size > 1.",
         default="auto",
+    )
+    tensor_parallel_size: int = doc(
+        "Split each decoder block's projections over this many processes (DTensor tensor "
+        "parallel; equal to the number of processes).",
+        default=1,
     )
     deepspeed: str | None = doc(
         "DeepSpeed ZeRO: zero1, zero2, zero3, zero2_offload, zero3_offload, or a JSON config "

@@ -49,6 +49,10 @@ class Strategy(Protocol):
 
 
 def choose_strategy_name(args: DistArguments, world_size: int) -> str:
+    if args.tensor_parallel_size > 1 or args.strategy == "tp":
+        if args.deepspeed is not None or args.fsdp is not None:
+            raise ConfigError("--tensor_parallel_size conflicts with --deepspeed / --fsdp")
+        return "tp" if world_size > 1 else "single"
     if args.deepspeed is not None:
         if args.fsdp is not None or args.strategy not in ("auto", "deepspeed"):
             raise ConfigError("--deepspeed conflicts with --fsdp / --strategy; pick one engine")
@@ -88,6 +92,10 @@ def build_strategy(
         from swiftlm.dist.zero import DeepSpeedStrategy
 
         return DeepSpeedStrategy(ctx, device, args.deepspeed, train or TrainArguments(), compute_dtype)
+    if name == "tp":
+        from swiftlm.dist.tp import TensorParallelStrategy
+
+        return TensorParallelStrategy(ctx, device, args.tensor_parallel_size or ctx.world_size)
     from swiftlm.dist.fsdp2 import FSDP2Strategy
 
     return FSDP2Strategy(ctx, device, args, compute_dtype)

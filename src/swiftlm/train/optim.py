@@ -22,9 +22,14 @@ def build_optimizer(model, args: TrainArguments) -> torch.optim.AdamW:
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
-        # The for-each kernel is faster than a per-parameter loop and numerically identical.
-        foreach=True,
+        # The for-each kernel is faster than a per-parameter loop and numerically identical,
+        # but cannot mix tensor-parallel (DTensor) and plain parameters in one call.
+        foreach=_uniform_kind(decay + no_decay),
     )
+
+
+def _uniform_kind(params: list) -> bool:
+    return len({type(p) for p in params}) <= 1
 
 
 def build_scheduler(optimizer, args: TrainArguments, num_steps: int):

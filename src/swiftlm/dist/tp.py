@@ -1,0 +1,138 @@
+"""Tensor parallel with DTensor: each decoder block's projections are split over the ranks.
+
+The plan is Megatron's, for Llama/Qwen/Mistral-style blocks: q/k/v and gate/up are split by
+output features (column-wise), o and down by input features (row-wise), so each block needs one
+all-reduce in attention and one in the MLP. Embeddings, norms and the LM head stay replicated.
+Every rank sees the same batch (no data parallelism inside a TP group).
+"""
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from swiftlm.dist.common import clip_then_step
+from swiftlm.dist.env import DistContext
+from swiftlm.dist.fsdp2 import gather_full_weights, load_sharded_state, sharded_state
+from swiftlm.errors import ConfigError
+from swiftlm.train import checkpoint as ckpt
+
+# Llama-family block: module path inside a decoder layer -> split style.
+BLOCK_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(
+            f"--strategy tp: {type(model).__name__} has no model.layers list of decoder blocks; "
+            "tensor parallel supports Llama/Qwen2/Mistral-style models"
+        )
+    return layers
+
+
+def check_divisible(model, size: int) -> None:
+    config = model.config
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and value % size:
+            raise ConfigError(
+                f"--tensor_parallel_size {size}: the model's {name} ({value}) is not divisible by it"
+            )
+
+
+class TensorParallelStrategy:
+    def __init__(self, ctx: DistContext, device: torch.device, size: int):
+        if size != ctx.world_size:
+            raise ConfigError(
+                f"--tensor_parallel_size {size} must equal the number of processes "
+                f"({ctx.world_size}); TP combined with data parallelism is not available yet"
+            )
+        self.ctx, self.device, self.size = ctx, device, size
+
+    dp_rank = property(lambda self: 0)  # every rank reads the same batch
+    dp_size = property(lambda self: 1)
+
+    def wrap(self, model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        if hasattr(model, "peft_config"):
+            raise ConfigError(
+                "--strategy tp splits full weights; LoRA/DoRA adapters are not supported with it "
+                "yet: use --train_type full, or --strategy fsdp2 / --deepspeed for adapters"
+            )
+        check_divisible(model, self.size)
+        mesh = init_device_mesh(self.device.type, (self.size,))
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        plan = {path: styles[style]() for path, style in BLOCK_PLAN.items()}
+        for layer in decoder_layers(model):
+            parallelize_module(layer, mesh, plan)
+        return model
+
+    def attach_optimizer(self, model, optimizer):
+        return model, optimizer
+
+    def unwrap(self, model):
+        return model
+
+    def no_sync(self, model, sync: bool):
+        return nullcontext()  # no gradient all-reduce across TP ranks to postpone
+
+    def clip_grad_norm(self, model, max_norm: float) -> float:
+        """Global norm over sharded (DTensor) and replicated gradients, then scale in place."""
+        from torch.distributed.tensor import DTensor
+
+        squares = torch.zeros((), dtype=torch.float64)
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares += norm.double() ** 2
+        total = float(squares.sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1:
+            for grad in grads:
+                grad.mul_(coef)
+        return total
+
+    def backward(self, loss, last_micro_batch: bool) -> None:
+        loss.backward()
+
+    def clip_and_step(self, model, optimizer, max_norm: float, scaler) -> float:
+        return clip_then_step(self, model, optimizer, max_norm, scaler)
+
+    def save_state(self, folder: Path, model, optimizer) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sharded_state(model, optimizer), checkpoint_id=folder / ckpt.SHARDED_DIR)
+        full = gather_full_weights(model)
+        if self.ctx.is_main:
+            model.save_pretrained(folder, safe_serialization=True, state_dict=full)
+
+    def load_state(self, folder: Path, model, optimizer) -> None:
+        if not (folder / ckpt.SHARDED_DIR).is_dir():
+            raise ckpt.CheckpointError(
+                f"{folder} has no sharded state ({ckpt.SHARDED_DIR}/); resume it with the "
+                "strategy that saved it"
+            )
+        load_sharded_state(folder, model, optimizer)
+
+    def save_final(self, model, tokenizer, folder: Path) -> None:
+        full = gather_full_weights(model)  # a collective: every rank takes part
+        if self.ctx.is_main:
+            ckpt.save_pretrained_atomically(model, tokenizer, folder, state_dict=full)
+        self.ctx.barrier()
