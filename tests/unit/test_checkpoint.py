@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from swiftlm.dist.env import DistContext  # noqa: E402
+from swiftlm.dist.single import SingleStrategy  # noqa: E402
 from swiftlm.errors import CheckpointError
 from swiftlm.train.checkpoint import (
     capture_rng,
@@ -22,9 +24,6 @@ from swiftlm.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-
-from swiftlm.dist.env import DistContext  # noqa: E402
-from swiftlm.dist.single import SingleStrategy  # noqa: E402
 
 SINGLE = SingleStrategy(DistContext())
 

@@ -214,11 +214,6 @@ class DistArguments:
     dist_timeout: float = doc(
         "Timeout of every collective (process-group timeout), seconds.", default=1800.0
     )
-    async_save: bool = doc(
-        "FSDP2: write the sharded checkpoint in the background while training goes on; the "
-        "checkpoint is marked COMPLETE only once it is all on disk.",
-        default=False,
-    )
     grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = doc(
         "DDP gradient compression before the all-reduce: half precision, PowerSGD low-rank, or "
         "top-k sparsification with error feedback.",

@@ -57,7 +57,6 @@ class CommStats:
 
     method: str
     sent: int = 0  # since the last `read_and_reset`
-    dense: int = 0
     steps: int = 0
     total_sent: int = 0  # whole run, for the summary line
     total_dense: int = 0
@@ -65,7 +64,7 @@ class CommStats:
 
     def add(self, sent: int, dense: int, ends_step: bool) -> None:
         """Count one bucket; `ends_step` marks the step's last bucket (DDP's `is_last`)."""
-        self.sent, self.dense = self.sent + sent, self.dense + dense
+        self.sent += sent
         self.total_sent, self.total_dense = self.total_sent + sent, self.total_dense + dense
         if ends_step:
             self.steps, self.total_steps = self.steps + 1, self.total_steps + 1
@@ -77,7 +76,7 @@ class CommStats:
         the steps in between.
         """
         per_step = round(self.sent / self.steps) if self.steps else None
-        self.sent, self.dense, self.steps = 0, 0, 0
+        self.sent, self.steps = 0, 0
         return per_step
 
     def per_step(self) -> float:
@@ -132,9 +131,7 @@ def topk_decompress(
 
 def topk_payload_bytes(k: int, value_dtype: torch.dtype) -> int:
     """Bytes one rank contributes for a bucket: k values and k indices."""
-    value_size = torch.tensor([], dtype=value_dtype).element_size()
-    index_size = torch.tensor([], dtype=INDEX_DTYPE).element_size()
-    return k * (value_size + index_size)
+    return k * (value_dtype.itemsize + INDEX_DTYPE.itemsize)
 
 
 # ---- hooks ------------------------------------------------------------------------------
@@ -153,26 +150,27 @@ class HookState:
 @dataclass
 class TopKState(HookState):
     ratio: float
-    # bucket index -> (the bucket's parameters, residual over its flat buffer)
-    residuals: dict[int, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
+    # id(parameter) -> its share of the residual (what was not sent yet)
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def residual_for(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """The bucket's residual from the last step, or zeros.
+        """The residual over the bucket's flat buffer; zeros for parameters not seen yet.
 
-        DDP rebuilds its buckets once, after the first step; a residual laid out for a bucket
-        holding other parameters no longer lines up, so it starts over at zero.
+        Residuals are kept per parameter, not per bucket: DDP rebuilds its buckets after the
+        first step, in another order, and each residual must stay with its parameter.
         """
-        saved = self.residuals.get(bucket.index())
-        if saved is not None and saved[0] == _layout(bucket):
-            return saved[1]
-        return torch.zeros_like(bucket.buffer())
+        zeros = bucket.buffer().new_zeros
+        return torch.cat(
+            [
+                self.residuals[id(p)] if id(p) in self.residuals else zeros(p.numel())
+                for p in bucket.parameters()
+            ]
+        )
 
     def keep_residual(self, bucket: dist.GradBucket, residual: torch.Tensor) -> None:
-        self.residuals[bucket.index()] = (_layout(bucket), residual)
-
-
-def _layout(bucket: dist.GradBucket) -> tuple[int, ...]:
-    return tuple(id(p) for p in bucket.parameters())
+        params = bucket.parameters()  # the buffer is their gradients, concatenated in order
+        parts = residual.split([p.numel() for p in params])
+        self.residuals.update(zip(map(id, params), parts, strict=True))
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -188,9 +186,7 @@ def fp16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     return default_hooks.fp16_compress_hook(state.process_group, bucket)
 
 
-def bf16_cast_hook(
-    state: HookState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def bf16_cast_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce the bucket in bfloat16 and cast the mean back, on any backend."""
     _count_cast(state, bucket, torch.bfloat16)
     buffer = bucket.buffer()
@@ -206,7 +202,7 @@ def bf16_cast_hook(
 
 def _count_cast(state: HookState, bucket: dist.GradBucket, dtype: torch.dtype) -> None:
     numel, world = bucket.buffer().numel(), state.world_size
-    sent = allreduce_wire_bytes(numel * torch.tensor([], dtype=dtype).element_size(), world)
+    sent = allreduce_wire_bytes(numel * dtype.itemsize, world)
     state.stats.add(sent, _dense_bytes(bucket, world), bucket.is_last())
 
 
@@ -224,8 +220,8 @@ def powersgd_hook(
     plain = ps.iter < ps.start_powerSGD_iter  # PowerSGD all-reduces plainly before its start
     before = ps.total_numel_after_compression
     fut = powersgd.powerSGD_hook(ps, bucket)
-    elements = ps.total_numel_after_compression - before
-    sent = dense if plain else allreduce_wire_bytes(elements * bucket.buffer().element_size(), world)
+    compressed = (ps.total_numel_after_compression - before) * bucket.buffer().element_size()
+    sent = dense if plain else allreduce_wire_bytes(compressed, world)
     state.stats.add(sent, dense, bucket.is_last())
     return fut
 

@@ -34,6 +34,9 @@ class DDPStrategy:
         per_step = self.comm_stats.read_and_reset() if self.comm_stats else None
         return {} if per_step is None else {"comm_bytes_per_rank": per_step}
 
+    def attach_optimizer(self, model, optimizer):
+        return model, optimizer
+
     def unwrap(self, model):
         return model.module
 

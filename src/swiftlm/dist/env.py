@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from swiftlm.dist.launch import launched_by_torchrun
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -54,10 +56,6 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def launched_by_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def init_distributed(timeout_s: float) -> DistContext:
     """Join the process group when started by torchrun; otherwise a world of one."""
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
@@ -68,8 +66,24 @@ def init_distributed(timeout_s: float) -> DistContext:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = attempt_store(timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank)
+
+
+def attempt_store(timeout: timedelta):
+    """The env:// rendezvous store, with its own key space for each torchrun restart.
+
+    torchrun's agent keeps one store across restarts of the worker group (`--max_restarts`),
+    and torch does not separate attempts: restarted workers read the dead workers' gloo
+    addresses / NCCL ids and fail to connect. On several nodes this relies on every agent
+    having restarted as often, as they do when the whole group fails and restarts together.
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"default_pg/attempt-{attempt}", store)
 
 
 def shutdown_distributed() -> None:

@@ -1,34 +1,38 @@
 """Hang detection across ranks (`--heartbeat_timeout`).
 
-Every rank publishes its progress (the loop's last `beat(step, phase)`) to a small file,
-`<run_dir>/.heartbeat/rank-N.json`, about once a second; every rank's watchdog reads all the
-files and, when any rank has made no progress for longer than the timeout, prints which rank
-stalled, at which step and phase, and ends its own process. Each rank watches itself too, so
-every rank exits even when it cannot see the others' files (a run directory that is not shared).
+Each rank's loop calls `beat(step, phase)` at every phase change. A watchdog thread per rank
+writes that last beat to `<run_dir>/.heartbeat/rank-N.json` about once a second, and when its
+own rank has made no progress for longer than the timeout it reads every rank's file, prints
+which rank stalled (at which step and phase), and ends its process with HEARTBEAT_EXIT_CODE.
 
-Why files, not a collective: a stuck rank blocks every collective, including one that would
-report it. Why `os._exit`: the main thread may be blocked inside a C++ collective, where neither
-an exception nor a signal handler would ever run.
-
-Only durations cross machines (a rank writes how old its beat is; the reader adds how long ago
-it saw that write on its own monotonic clock), so clock skew between nodes does not matter.
+- Every rank only needs to watch itself: training runs collectives every step, so when one
+  rank is stuck or dead, every other rank stops at its next collective and times out too.
+  Normal operation therefore costs one small write per rank per second, no reads.
+- The blamed rank is not simply the one with the oldest beat: ranks waiting for a stuck rank
+  beat at the same moment it did. It is the rank furthest behind in the loop, then the one
+  whose main thread is not waiting inside torch.distributed/autograd, then the oldest.
+- Why files, not a collective: a stuck rank blocks every collective, including one that would
+  report it. Why `os._exit`: the main thread may be blocked inside a C++ collective, where
+  neither an exception nor a signal handler would ever run.
 """
 
+import contextlib
 import json
 import os
+import secrets
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# EX_TEMPFAIL: a temporary failure; torchrun --max_restarts may retry the job.
+# EX_TEMPFAIL, a temporary failure: torchrun --max_restarts restarts the workers.
 HEARTBEAT_EXIT_CODE = 75
 FOLDER = ".heartbeat"
-# Files rewritten every interval; one unchanged for this many intervals belongs to a process
-# that died or is frozen (a thread holding the GIL stops the writer too).
+# A file rewritten every interval but unchanged for this many belongs to a process that died
+# or froze (a C call holding the GIL stops the writer thread too).
 STALE_WRITE_INTERVALS = 5
-# Which stalled rank to blame first: waiting ranks are usually victims of the one that is not.
+# Which of the ranks at the same point of the loop to blame first: waiting ones are victims.
 ACTIVITY_ORDER = {"running": 0, "backward": 1, "collective": 2}
 
 
@@ -48,14 +52,16 @@ def write_atomically(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_records(run_dir, world_size: int) -> dict[int, dict]:
-    """The records present now, by rank; a missing or unreadable file is left out."""
+def read_records(run_dir, world_size: int, token: str) -> dict[int, dict]:
+    """This run's records by rank; missing, unreadable and leftover files are left out."""
     records = {}
     for rank in range(world_size):
         try:
-            records[rank] = json.loads(rank_file(run_dir, rank).read_text(encoding="utf-8"))
+            record = json.loads(rank_file(run_dir, rank).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
+        if record.get("token") == token:  # not a leftover of an earlier attempt or job
+            records[rank] = record
     return records
 
 
@@ -86,61 +92,47 @@ def locate_thread(ident: int | None) -> tuple[str, str]:
     return where, classify(code.co_filename)
 
 
-@dataclass
-class RankView:
-    """What one watchdog knows about one rank, timed on the watchdog's own clock."""
+@dataclass(frozen=True)
+class RankState:
+    """One rank's last record, with how long ago (on the reader's clock) it was written."""
 
     record: dict
-    written_at: float  # when this watchdog first saw the record's current write
-    live: bool = False  # the file changed while watched: not a leftover of an earlier run
+    silent_s: float  # since the file was last written
 
-    def age(self, now: float) -> float:
+    @property
+    def age_s(self) -> float:
         """Seconds since the rank's last beat."""
-        return now - self.written_at + float(self.record.get("age_s", 0.0))
+        return self.silent_s + float(self.record.get("age_s", 0.0))
 
-    def write_key(self) -> tuple:
-        return self.record.get("pid"), self.record.get("wrote")
-
-    def suspicion(self, now: float) -> tuple:
-        """Sort key: the rank furthest behind, then not waiting on others, then the oldest."""
+    def suspicion(self) -> tuple:
+        """Sort key, most suspect first: furthest behind, not waiting on others, oldest."""
         activity = ACTIVITY_ORDER.get(self.record.get("activity"), 0)
-        return self.record.get("seq", 0), activity, -self.age(now)
+        return self.record.get("seq", 0), activity, -self.age_s
 
 
-def update_views(views: dict[int, RankView], records: dict[int, dict], now: float) -> None:
-    """Fold freshly read records into the views (in place)."""
-    for rank in list(views):
-        if rank not in records and views[rank].live:
-            del views[rank]  # it removed its file in stop(): finished, not stuck
-    for rank, record in records.items():
-        view = views.get(rank)
-        if view is None:
-            views[rank] = RankView(record, now)
-        elif (record.get("pid"), record.get("wrote")) != view.write_key():
-            views[rank] = RankView(record, now, live=True)
+def rank_states(records: dict[int, dict], wall_now: float) -> dict[int, RankState]:
+    # Wall clocks of different nodes are compared here, so skew only blurs the reported ages;
+    # whether to stop is decided on this rank's own monotonic clock.
+    return {
+        rank: RankState(record, max(0.0, wall_now - float(record.get("written", wall_now))))
+        for rank, record in records.items()
+    }
 
 
-def find_stall(
-    views: dict[int, RankView], now: float, timeout_s: float
-) -> tuple[int, RankView] | None:
-    """(rank, view) of the rank to blame when any rank has been silent past the timeout."""
-    live = {rank: view for rank, view in views.items() if view.live}
-    if not any(view.age(now) > timeout_s for view in live.values()):
-        return None
-    return min(live.items(), key=lambda item: item[1].suspicion(now))
+def pick_culprit(states: dict[int, RankState]) -> int:
+    return min(states, key=lambda rank: states[rank].suspicion())
 
 
-def describe_stall(rank: int, view: RankView, now: float, observer: int, interval_s: float) -> str:
-    r = view.record
-    silent = now - view.written_at
-    if silent > STALE_WRITE_INTERVALS * interval_s:
-        state = f"its heartbeat file stopped updating {silent:.1f} s ago: the process died or froze"
+def describe_stall(rank: int, state: RankState, observer: int, interval_s: float) -> str:
+    r = state.record
+    if state.silent_s > STALE_WRITE_INTERVALS * interval_s:
+        now = f"its heartbeat stopped {state.silent_s:.1f} s ago: the process died or froze"
     else:
         waiting = " (waiting in a collective)" if r.get("activity") == "collective" else ""
-        state = f"now at {r.get('where', 'unknown')}{waiting}"
+        now = f"now at {r.get('where', 'unknown')}{waiting}"
     return (
-        f"swiftlm: rank {rank} made no progress for {view.age(now):.1f} s "
-        f"(last: step {r.get('step')}, phase {r.get('phase')}; {state}); stopping all ranks "
+        f"swiftlm: rank {rank} made no progress for {state.age_s:.1f} s "
+        f"(last: step {r.get('step')}, phase {r.get('phase')}; {now}); stopping all ranks "
         f"(watchdog of rank {observer}). If that phase legitimately takes longer, raise "
         "--heartbeat_timeout (0 disables the watchdog).\n"
     )
@@ -154,9 +146,9 @@ def _report_to_stderr(message: str) -> None:
 class Heartbeat:
     """Records progress; `beat(step, phase)` is called by the loop at every phase change.
 
-    `start()` launches a daemon thread that, every `interval_s`, writes this rank's record and
-    checks every rank's; a stall ends the process with HEARTBEAT_EXIT_CODE. A `timeout_s` of 0
-    disables it all. `clock`, `exit_fn` and `report` are injectable for tests.
+    `start()` (on every rank at the same point: it broadcasts a run token) launches the
+    watchdog thread; `stop()` ends it and removes this rank's file. A `timeout_s` of 0 disables
+    everything. The clocks, `exit_fn` and `report` are injectable for tests.
     """
 
     def __init__(
@@ -167,15 +159,17 @@ class Heartbeat:
         *,
         interval_s: float = 1.0,
         clock=time.monotonic,
+        wall=time.time,
         exit_fn=os._exit,
         report=_report_to_stderr,
     ):
         self.ctx, self.timeout_s, self.run_dir = ctx, timeout_s, run_dir
-        self.interval_s, self.clock, self.exit_fn, self.report = interval_s, clock, exit_fn, report
-        self.views: dict[int, RankView] = {}
+        self.interval_s, self.clock, self.wall = interval_s, clock, wall
+        self.exit_fn, self.report = exit_fn, report
+        self.token = ""
         self._last = (0, 0, "setup", clock())  # (seq, step, phase, time); one tuple: atomic
-        self._wrote = 0
         self._main_ident: int | None = None
+        self._write_failed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -186,6 +180,7 @@ class Heartbeat:
     def start(self) -> None:
         if not self.enabled:
             return
+        self.token = self.ctx.broadcast_object(secrets.token_hex(8))
         self._main_ident = threading.get_ident()  # the thread that runs the loop
         self.beat(0, "setup")
         self.tick()  # the file exists before the first step
@@ -203,44 +198,46 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval_s)
         rank_file(self.run_dir, self.ctx.rank).unlink(missing_ok=True)
-        try:
-            heartbeat_dir(self.run_dir).rmdir()  # the last rank to stop removes the folder
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # not empty: another rank is still running
+            heartbeat_dir(self.run_dir).rmdir()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.tick()
 
     def tick(self) -> str | None:
-        """Publish this rank's record, check all ranks; return the stall message, if any."""
-        now = self.clock()
-        try:
-            write_atomically(rank_file(self.run_dir, self.ctx.rank), self._record(now))
-            update_views(self.views, read_records(self.run_dir, self.ctx.world_size), now)
-        except OSError as exc:  # a full or flaky disk must not kill training; the next tick retries
-            self.report(f"swiftlm: heartbeat of rank {self.ctx.rank} cannot use {exc}\n")
+        """Publish this rank's beat; past the timeout, blame a rank and stop the process."""
+        record = self._record()
+        self._publish(record)
+        if self.clock() - self._last[3] <= self.timeout_s:
             return None
-        stall = find_stall(self.views, now, self.timeout_s)
-        if stall is None:
-            return None
-        message = describe_stall(*stall, now, self.ctx.rank, self.interval_s)
+        records = read_records(self.run_dir, self.ctx.world_size, self.token)
+        states = rank_states({**records, self.ctx.rank: record}, record["written"])
+        culprit = pick_culprit(states)
+        message = describe_stall(culprit, states[culprit], self.ctx.rank, self.interval_s)
         self.report(message)
         self.exit_fn(HEARTBEAT_EXIT_CODE)
         return message
 
-    def _record(self, now: float) -> dict:
+    def _publish(self, record: dict) -> None:
+        try:
+            write_atomically(rank_file(self.run_dir, self.ctx.rank), record)
+        except OSError as exc:  # a full or flaky disk must not stop training; retried next tick
+            if not self._write_failed:
+                self.report(f"swiftlm: rank {self.ctx.rank} cannot write its heartbeat: {exc}\n")
+            self._write_failed = True
+
+    def _record(self) -> dict:
         seq, step, phase, at = self._last
         where, activity = locate_thread(self._main_ident)
-        self._wrote += 1
         return {
+            "token": self.token,
             "rank": self.ctx.rank,
-            "pid": os.getpid(),
-            "wrote": self._wrote,
             "seq": seq,
             "step": step,
             "phase": phase,
-            "age_s": round(now - at, 3),
+            "age_s": round(self.clock() - at, 3),
+            "written": self.wall(),
             "where": where,
             "activity": activity,
         }

@@ -5,12 +5,18 @@
 LOCAL_RANK and do not launch again. `torchrun -m swiftlm sft ...` works directly too.
 """
 
+import os
 import subprocess
 import sys
 import time
 
 from swiftlm.config.sections import DistArguments
-from swiftlm.dist.env import launched_by_torchrun
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun sets these for every worker (checked without importing torch: the launcher
+    process only re-executes itself)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def wants_launch(args: DistArguments) -> bool:

@@ -78,6 +78,11 @@ def build_strategy(
     train: TrainArguments | None = None,
 ) -> Strategy:
     name = choose_strategy_name(args, ctx.world_size)
+    if args.grad_compression != "none" and name not in ("ddp", "single"):
+        raise ConfigError(
+            f"--grad_compression {args.grad_compression} compresses DDP's all-reduce; "
+            f"--strategy {name} does not use it: drop the flag or use DDP"
+        )
     if name == "single" and ctx.world_size > 1:
         raise ConfigError("--strategy single cannot run with several processes; use ddp or fsdp2")
     if name == "single":

@@ -13,7 +13,7 @@ import torch
 
 from swiftlm.dist.common import clip_then_step
 from swiftlm.dist.env import DistContext
-from swiftlm.dist.fsdp2 import gather_full_weights, load_sharded_state, sharded_state
+from swiftlm.dist.fsdp2 import gather_full_weights, load_sharded_state, save_sharded_state
 from swiftlm.errors import ConfigError
 from swiftlm.train import checkpoint as ckpt
 
@@ -116,9 +116,7 @@ class TensorParallelStrategy:
         return clip_then_step(self, model, optimizer, max_norm, scaler)
 
     def save_state(self, folder: Path, model, optimizer) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(sharded_state(model, optimizer), checkpoint_id=folder / ckpt.SHARDED_DIR)
+        save_sharded_state(folder, model, optimizer)  # tensors via DCP, param groups as JSON
         full = gather_full_weights(model)
         if self.ctx.is_main:
             model.save_pretrained(folder, safe_serialization=True, state_dict=full)

@@ -4,6 +4,8 @@ A checkpoint folder holds the model or adapter exactly as `save_pretrained` writ
 loads with transformers/peft as is), the optimizer state as safetensors + JSON, and
 `trainer_state.json` (step, data position, scheduler, RNG). The `COMPLETE` marker is written
 last: a folder without it is a checkpoint that was interrupted and is never resumed from.
+FSDP2 keeps weights + optimizer sharded in `dcp/` (torch.distributed.checkpoint) instead of
+the optimizer files, next to the consolidated model/adapter; any strategy resumes from it.
 """
 
 import json
@@ -22,6 +24,7 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 RNG_TENSORS = "rng.safetensors"
+SHARDED_DIR = "dcp"  # torch.distributed.checkpoint shards, written by FSDP2
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -112,17 +115,25 @@ def save_weights_and_optimizer(folder: Path, model, optimizer) -> None:
 
 
 def load_weights_and_optimizer(folder: Path, model, optimizer) -> None:
+    if (folder / SHARDED_DIR).is_dir():  # saved by FSDP2: DCP reshards it to this process
+        from swiftlm.dist.fsdp2 import load_sharded_state
+
+        load_sharded_state(folder, model, optimizer)
+        return
     load_model_weights(folder, model)
     meta = json.loads((folder / OPTIMIZER_META).read_text())
     tensors = load_file(str(folder / OPTIMIZER_TENSORS))
     optimizer.load_state_dict(optimizer_from_files(tensors, meta))
 
 
-def save_pretrained_atomically(model, tokenizer, folder: Path) -> None:
-    """Write a loadable model/adapter + tokenizer via a staging folder, then rename."""
+def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict=None) -> None:
+    """Write a loadable model/adapter + tokenizer via a staging folder, then rename.
+
+    `state_dict`: the weights to write when the live model's own are sharded (FSDP2).
+    """
     staging = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(staging)
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
@@ -136,7 +147,7 @@ def save_checkpoint(folder: Path, strategy, model, optimizer, state: dict, token
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
     ctx.barrier()
-    strategy.save_state(folder, model, optimizer)
+    pending = strategy.save_state(folder, model, optimizer)  # a Future if saving in background
     rng_tensors, rng_meta = capture_rng()
     save_file(rng_tensors, str(folder / rng_file(ctx.rank)))
     (folder / f"{rng_file(ctx.rank)}.json").write_text(json.dumps(rng_meta))
@@ -147,11 +158,28 @@ def save_checkpoint(folder: Path, strategy, model, optimizer, state: dict, token
         (folder / STATE_FILE).write_text(
             json.dumps({**state, "world_size": ctx.world_size}, indent=1)
         )
-        (folder / COMPLETE).write_text(f"step {state['step']}\n")
+        mark_complete_when_written(folder, state["step"], pending)
     ctx.barrier()
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def mark_complete_when_written(folder: Path, step: int, pending=None) -> None:
+    """Write `COMPLETE` now, or, for a background save, once its data is all on disk.
+
+    On rank 0 the future of `dcp.async_save` ends after every rank's shards and the metadata
+    are written; a failed save leaves the folder incomplete.
+    """
+
+    def mark(future=None) -> None:
+        if future is None or future.exception() is None:
+            (folder / COMPLETE).write_text(f"step {step}\n")
+
+    if pending is None:
+        mark()
+    else:
+        pending.add_done_callback(mark)
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All safetensors weights of a model/adapter folder (sharded or not)."""
     files = sorted(folder.glob("*.safetensors"))
     weights: dict[str, torch.Tensor] = {}
@@ -163,7 +191,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model_weights(folder: Path, model) -> None:
     """Load saved weights into the live model (peft adapter or full model), strictly."""
-    weights = _read_weights(folder)
+    weights = read_weights(folder)
     if (folder / "adapter_config.json").is_file():
         from peft import set_peft_model_state_dict
 

@@ -185,9 +185,13 @@ def evaluate(job: TrainingJob, precision: Precision) -> float | None:
     pad = job.tokenizer.pad_token_id
     # Each data-parallel rank evaluates every dp_size-th sample; the sums are combined.
     mine = job.val_data[job.strategy.dp_rank :: job.strategy.dp_size]
+    # Sharded models (FSDP2) gather weights inside forward, so every rank runs as many batches
+    # as rank 0; a rank out of samples runs a fully masked one that adds nothing.
+    most = len(job.val_data[:: job.strategy.dp_size])
+    masked = {**job.val_data[0], "labels": [IGNORE_INDEX] * len(job.val_data[0]["labels"])}
     loss_sum, tokens = 0.0, 0
-    for i in range(0, len(mine), size):
-        batch = collate(mine[i : i + size], pad)
+    for i in range(0, most, size):
+        batch = collate(mine[i : i + size] or [masked], pad)
         with precision.autocast():
             batch_loss, _ = job.loss_fn(job.model, _to_device(batch, job.device))
         loss_sum += float(batch_loss)
@@ -263,6 +267,12 @@ class LogWindow:
         return row
 
 
+def strategy_metrics(strategy) -> dict:
+    """Figures a strategy reports for the log (e.g. DDP's gradient bytes sent); optional."""
+    report = getattr(strategy, "step_metrics", None)
+    return report() if report else {}
+
+
 def _beat(job: TrainingJob, step: int, phase: str) -> None:
     if job.heartbeat is not None:
         job.heartbeat.beat(step, phase)
@@ -330,6 +340,7 @@ def run_training(job: TrainingJob) -> dict:
                         "grad_norm": grad_norm,
                         "memory_gib": round(peak_memory_gib(job.device), 3),
                         "elapsed_s": round(time.perf_counter() - started, 2),
+                        **strategy_metrics(job.strategy),
                     }
                 )
             if job.val_data and (state.step % eval_every == 0 or last):

@@ -174,6 +174,8 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         if job.heartbeat:
             job.heartbeat.start()
         summary = run_training(job)
+        if job.heartbeat:
+            job.heartbeat.beat(summary["steps"], "final save")
         strategy.save_final(job.model, tokenizer, run_dir / "final")
     finally:
         if job.heartbeat:
