@@ -49,12 +49,13 @@ def final_loss(losses: list[float]) -> float:
     return sum(losses[-6:]) / 6
 
 
-def test_topk_sends_a_fifth_of_the_bytes_and_reaches_the_uncompressed_loss(
+def test_topk_sends_a_tenth_of_the_bytes_and_reaches_the_uncompressed_loss(
     tiny_model_dir, chat_jsonl, tmp_path, capfd
 ):
     """Top-k 10% with error feedback against plain fp32 all-reduce.
 
-    Top-k sends 10% of the values plus an int32 index each: 20% of the bytes at 2 ranks.
+    Top-k sends 10% of the entries as an fp16 value and an int16 position each: 10% of the
+    fp32 bytes at 2 ranks (the fp16 rounding goes into the error-feedback residual).
     With AdamW, sparse and bursty gradients act like a smaller learning rate (each entry
     arrives about every 10th step, ~10x larger, which inflates Adam's second moment), so
     top-k needs the run to be long enough or the rate high enough: here (45 steps, lr 2e-2)
@@ -68,8 +69,8 @@ def test_topk_sends_a_fifth_of_the_bytes_and_reaches_the_uncompressed_loss(
     )
     # LoRA rank 8 on every linear of 2 layers: 16,384 fp32 entries, sent once per step.
     assert plain_bytes == {"bytes": 16_384 * 4, "percent": 100.0}
-    assert 0.05 < topk_bytes["bytes"] / plain_bytes["bytes"] < 0.25
-    assert topk_bytes["percent"] == pytest.approx(20.0, abs=0.5)
+    assert topk_bytes["bytes"] / plain_bytes["bytes"] == pytest.approx(0.1, abs=0.005)
+    assert topk_bytes["percent"] == pytest.approx(10.0, abs=0.5)
     assert len(topk) == len(plain) == 45
     assert final_loss(plain) < 0.4 * plain[0]  # the task is learned ...
     assert final_loss(topk) < 1.1 * final_loss(plain)  # ... and top-k gets within 10%

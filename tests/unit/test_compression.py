@@ -11,35 +11,55 @@ from swiftlm.errors import ConfigError
 def test_topk_sends_the_largest_magnitudes_and_keeps_the_rest_as_residual():
     grad = torch.tensor([0.1, -3.0, 0.5, 2.0, -0.2])
     residual = torch.tensor([0.0, 0.0, -0.5, 0.0, 0.9])  # corrected: [.1, -3, 0, 2, .7]
-    values, indices, new_residual = gc.topk_compress(grad, residual, k=2)
-    assert indices.dtype == torch.int32
-    assert sorted(zip(indices.tolist(), values.tolist(), strict=True)) == [(1, -3.0), (3, 2.0)]
+    values, positions, new_residual = gc.topk_compress(grad, residual, ratio=0.4)
+    assert positions.dtype == torch.int16 and values.dtype == torch.float16
+    picked = sorted(zip(positions.view(-1).tolist(), values.view(-1).tolist(), strict=True))
+    assert picked == [(1, -3.0), (3, 2.0)]
     assert new_residual.tolist() == pytest.approx([0.1, 0.0, 0.0, 0.0, 0.7])
     # sent + residual == corrected: nothing is lost, only delayed
-    sent = torch.zeros(5).index_add_(0, indices, values)
+    sent = gc.topk_decompress(5, values, positions, world_size=1)
     assert (sent + new_residual).tolist() == pytest.approx((grad + residual).tolist())
     assert grad.tolist() == pytest.approx([0.1, -3.0, 0.5, 2.0, -0.2])  # input untouched
 
 
+def test_fp16_rounding_is_carried_in_the_residual():
+    grad = torch.tensor([1.0001, 0.0])
+    values, positions, residual = gc.topk_compress(grad, torch.zeros(2), ratio=0.5)
+    sent = gc.topk_decompress(2, values, positions, world_size=1)
+    assert float(sent[0]) != 1.0001  # fp16 cannot hold it ...
+    assert float(sent[0] + residual[0]) == pytest.approx(1.0001, abs=1e-7)  # ... the residual does
+
+
+def test_large_buckets_are_cut_into_int16_blocks():
+    numel = gc.BLOCK * 2 + 10
+    grad = torch.randn(numel)
+    values, positions, residual = gc.topk_compress(grad, torch.zeros(numel), ratio=0.1)
+    assert positions.shape == (3, 2185) and int(positions.max()) < gc.BLOCK
+    sent = gc.topk_decompress(numel, values, positions, world_size=1)
+    assert (sent + residual).tolist() == pytest.approx(grad.tolist(), abs=1e-6)
+    # about a tenth of the fp32 bytes
+    assert gc.topk_payload_bytes(numel, 0.1) / (numel * 4) == pytest.approx(0.1, rel=0.02)
+
+
 def test_error_feedback_eventually_sends_every_entry():
-    # A constant gradient with k=1: the residual grows on unsent entries until each is picked,
-    # so over many steps the total sent approaches steps x gradient on every entry.
+    # A constant gradient, one entry sent per step: the residual grows on unsent entries until
+    # each is picked, so over many steps the total sent approaches steps x gradient everywhere.
     grad = torch.tensor([1.0, 0.5, 0.25, 0.125])
     residual, total = torch.zeros(4), torch.zeros(4)
     steps = 200
     for _ in range(steps):
-        values, indices, residual = gc.topk_compress(grad, residual, k=1)
-        total.index_add_(0, indices, values)
-    assert (total + residual).tolist() == pytest.approx((steps * grad).tolist())
+        values, positions, residual = gc.topk_compress(grad, residual, ratio=0.25)
+        total += gc.topk_decompress(4, values, positions, world_size=1)
+    assert (total + residual).tolist() == pytest.approx((steps * grad).tolist(), rel=1e-4)
     assert residual.abs().max() < 2 * grad.sum()  # bounded: it does not grow with the steps
     assert (total / steps).tolist() == pytest.approx(grad.tolist(), abs=0.01)
 
 
 def test_decompress_averages_ranks_and_adds_entries_picked_twice():
-    # rank 0 sends {0: 4, 2: 2}, rank 1 sends {2: 6, 3: -2}
-    values = torch.tensor([4.0, 2.0, 6.0, -2.0])
-    indices = torch.tensor([0, 2, 2, 3], dtype=torch.int32)
-    mean = gc.topk_decompress(5, values, indices, world_size=2)
+    # rank 0 sends {0: 4, 2: 2}, rank 1 sends {2: 6, 3: -2}: [rows=1, k=2] each, stacked
+    values = torch.tensor([[4.0, 2.0], [6.0, -2.0]], dtype=torch.float16)
+    positions = torch.tensor([[0, 2], [2, 3]], dtype=torch.int16)
+    mean = gc.topk_decompress(5, values, positions, world_size=2)
     assert mean.tolist() == [2.0, 0.0, 4.0, -1.0, 0.0]
 
 
@@ -76,9 +96,9 @@ def test_topk_count_keeps_at_least_one_and_at_most_all(numel, ratio, k):
     assert gc.topk_count(numel, ratio) == k
 
 
-def test_topk_payload_is_values_plus_int32_indices():
-    assert gc.topk_payload_bytes(100, torch.float32) == 800
-    assert gc.topk_payload_bytes(100, torch.bfloat16) == 600
+def test_topk_payload_is_fp16_values_plus_int16_positions():
+    assert gc.topk_payload_bytes(1000, 0.1) == 100 * 4
+    assert gc.topk_payload_bytes(2 * gc.BLOCK, 0.5) == 2 * (gc.BLOCK // 2) * 4
 
 
 def test_ring_wire_bytes():
