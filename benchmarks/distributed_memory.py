@@ -44,7 +44,9 @@ def run_one(name: str, extra: list[str], steps: int, nproc: int, port: int, out:
     result = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
-        return {"name": name, "error": result.stderr.strip().splitlines()[-1:]}
+        lines = (result.stdout + result.stderr).splitlines()
+        reason = next((line for line in lines if "swiftlm sft: error:" in line), lines[-1:])
+        return {"name": name, "error": reason}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "memory_gib" in r][-1]
     return {"name": name, "memory_gib": last["memory_gib"], "loss": last["loss"], "seconds": seconds}
@@ -66,7 +68,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | failed: {r['error']} | | |")
+            print(f"| {r['name']} | not run: {r['error']} | | |")
             continue
         ratio = f"{r['memory_gib'] / ddp:.2f}x" if ddp else ""
         print(f"| {r['name']} | {r['memory_gib']:.2f} | {ratio} | {r['loss']:.4f} |")

@@ -133,3 +133,18 @@ CHAT_ROWS = [
 def chat_jsonl(tmp_path) -> Path:
     """24 short valid conversations."""
     return write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
+
+
+def logged(run_dir: Path, key: str = "loss") -> list:
+    """The values of `key` in a run's metrics.jsonl, in order."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row[key] for row in rows if key in row]
+
+
+def max_weight_difference(file_a: Path, file_b: Path) -> float:
+    """Largest absolute difference between two safetensors files with the same tensors."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(file_a), load_file(file_b)
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)

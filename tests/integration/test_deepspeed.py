@@ -2,11 +2,9 @@
 global batch (fp32, tolerance 1e-5). DeepSpeed builds a small shared-memory op on first use
 (~30 s, cached in TORCH_EXTENSIONS_DIR)."""
 
-import json
-
 import pytest
-from safetensors.torch import load_file
 
+from conftest import logged, max_weight_difference
 from swiftlm.cli.main import main
 
 pytest.importorskip(
@@ -29,17 +27,6 @@ COMMON = [
     "--save_steps",
     "5",
 ]
-
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-def max_weight_diff(a_dir, b_dir, name):
-    a, b = load_file(a_dir / name), load_file(b_dir / name)
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.mark.parametrize(
@@ -85,8 +72,10 @@ def test_zero_matches_single_process(
         == 0
     )
     assert "x 2 (DeepSpeedStrategy" in capfd.readouterr().out
-    assert losses(zero) == pytest.approx(losses(single), abs=1e-5)
-    assert max_weight_diff(single / "final", zero / "final", weights) < 1e-5
+    assert logged(zero) == pytest.approx(logged(single), abs=1e-5)
+    assert max_weight_difference(single / "final" / weights, zero / "final" / weights) < 1e-5
     step = zero / "checkpoints" / "step-5"
     assert (step / "COMPLETE").is_file() and (step / "deepspeed").is_dir()
-    assert max_weight_diff(single / "final", step, weights) < 1e-5  # consolidated, loadable as is
+    assert (
+        max_weight_difference(single / "final" / weights, step / weights) < 1e-5
+    )  # consolidated, loadable as is

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import logged, max_weight_difference
 from swiftlm.cli.main import main
 from swiftlm.config.sections import DistArguments
 from swiftlm.dist.env import DistContext
@@ -41,17 +42,6 @@ COMMON = [
 ADAPTER, FULL = "adapter_model.safetensors", "model.safetensors"
 
 
-def losses(run_dir, key="loss") -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in rows if key in r]
-
-
-def max_difference(a, b) -> float:
-    a, b = load_file(a), load_file(b)
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def single(base, out, *extra):
     assert (
         main([*base, "--output_dir", str(out), "--per_device_train_batch_size", "4", *extra]) == 0
@@ -78,10 +68,10 @@ def stopped_at(run_dir, step, copy_to):
 
 
 def assert_same_run(run, reference, weights):
-    assert len(losses(run)) == 8
-    assert losses(run) == pytest.approx(losses(reference), abs=TOLERANCE)
-    assert losses(run, "eval_loss") == pytest.approx(losses(reference, "eval_loss"), abs=TOLERANCE)
-    assert max_difference(run / "final" / weights, reference / "final" / weights) < TOLERANCE
+    assert len(logged(run)) == 8
+    assert logged(run) == pytest.approx(logged(reference), abs=TOLERANCE)
+    assert logged(run, "eval_loss") == pytest.approx(logged(reference, "eval_loss"), abs=TOLERANCE)
+    assert max_weight_difference(run / "final" / weights, reference / "final" / weights) < TOLERANCE
 
 
 def test_lora_matches_one_process_and_resumes_across_world_sizes(
@@ -134,7 +124,7 @@ def test_full_fine_tuning_matches_one_process_and_resumes_on_one(
     fsdp2(base, sharded, "29533", "--strategy", "fsdp2")
     assert "x 2 (FSDP2Strategy" in capfd.readouterr().out
     assert_same_run(sharded, reference, FULL)
-    assert len(losses(sharded, "eval_loss")) == 2
+    assert len(logged(sharded, "eval_loss")) == 2
 
     from transformers import AutoModelForCausalLM
 
