@@ -123,6 +123,13 @@ def rank_batches(job: TrainingJob, step_indices: list[list[int]]) -> list[dict]:
     return batches
 
 
+def _data_sum(strategy, value: float) -> float:
+    """Sum a per-rank figure over the data: ranks that share a batch (tensor parallel) hold
+    the same value, so the world sum counts it once per replica."""
+    replicas = strategy.ctx.world_size // strategy.dp_size
+    return strategy.ctx.all_reduce_sum(value) / replicas
+
+
 def forward_backward(
     job: TrainingJob, precision: Precision, batches: list[dict]
 ) -> tuple[float, int, int]:
@@ -132,8 +139,8 @@ def forward_backward(
     ranks. Data-parallel wrappers average gradients over ranks, so the loss is also multiplied
     by their number: the result is the gradient of the global mean token loss.
     """
-    ctx, strategy = job.strategy.ctx, job.strategy
-    label_tokens = ctx.all_reduce_sum(sum(count_label_tokens(b["labels"]) for b in batches))
+    strategy = job.strategy
+    label_tokens = _data_sum(strategy, sum(count_label_tokens(b["labels"]) for b in batches))
     scale = strategy.dp_size / max(label_tokens, 1)
     local_loss = 0.0
     for i, batch in enumerate(batches):
@@ -144,8 +151,8 @@ def forward_backward(
                 precision.scale(loss_sum * scale), last_micro_batch=i == len(batches) - 1
             )
         local_loss += float(loss_sum.detach())
-    input_tokens = ctx.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches))
-    loss = ctx.all_reduce_sum(local_loss) / max(label_tokens, 1)
+    input_tokens = _data_sum(strategy, sum(int(b["attention_mask"].sum()) for b in batches))
+    loss = _data_sum(strategy, local_loss) / max(label_tokens, 1)
     return loss, int(label_tokens), int(input_tokens)
 
 
@@ -197,8 +204,7 @@ def evaluate(job: TrainingJob, precision: Precision) -> float | None:
         loss_sum += float(batch_loss)
         tokens += count_label_tokens(batch["labels"])
     job.model.train(was_training)
-    ctx = job.strategy.ctx
-    return ctx.all_reduce_sum(loss_sum) / max(ctx.all_reduce_sum(tokens), 1)
+    return _data_sum(job.strategy, loss_sum) / max(_data_sum(job.strategy, tokens), 1)
 
 
 def _resume(job: TrainingJob, optimizer, scheduler, precision: Precision) -> LoopState:
