@@ -79,9 +79,61 @@ def test_tp_rejects_adapters_and_indivisible_heads(tiny_model_dir):
     three = TensorParallelStrategy(DistContext(rank=0, world_size=3), "cpu", 3)
     with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) is not divisible"):
         three.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
-    with pytest.raises(ConfigError, match="must equal the number of processes"):
-        TensorParallelStrategy(DistContext(rank=0, world_size=4), "cpu", 2)
+    with pytest.raises(ConfigError, match="must divide the number of processes"):
+        TensorParallelStrategy(DistContext(rank=0, world_size=3), "cpu", 2)
+    two_d = TensorParallelStrategy(DistContext(rank=3, world_size=4), "cpu", 2)
+    assert (two_d.dp_rank, two_d.dp_size) == (1, 2)  # rank 3 = data group 1, tensor rank 1
     assert choose_strategy_name(DistArguments(tensor_parallel_size=2), 2) == "tp"
     assert choose_strategy_name(DistArguments(deepspeed="zero2"), 2) == "deepspeed"
     assert choose_strategy_name(DistArguments(), 2) == "ddp"
     assert choose_strategy_name(DistArguments(), 1) == "single"
+
+
+def test_tp_and_fsdp2_on_a_2d_mesh_match_a_single_process(tiny_model_dir, chat_jsonl, tmp_path):
+    # 4 processes: 2 data-parallel groups (FSDP2) x 2 tensor-parallel ranks; 2 samples per group.
+    base = [
+        "sft",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(chat_jsonl),
+        "--torch_dtype",
+        "float32",
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
+        "--train_type",
+        "full",
+        "--learning_rate",
+        "1e-3",
+        "--max_steps",
+        "5",
+        "--gradient_accumulation_steps",
+        "2",
+        "--save_steps",
+        "5",
+    ]
+    single, mesh = tmp_path / "single", tmp_path / "mesh"
+    assert main([*base, "--output_dir", str(single), "--per_device_train_batch_size", "4"]) == 0
+    assert (
+        main(
+            [
+                *base,
+                "--output_dir",
+                str(mesh),
+                "--per_device_train_batch_size",
+                "2",
+                "--nproc_per_node",
+                "4",
+                "--tensor_parallel_size",
+                "2",
+                "--master_port",
+                "29662",
+            ]
+        )
+        == 0
+    )
+    assert logged(mesh) == pytest.approx(logged(single), abs=1e-5)
+    assert logged(mesh, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
+    assert max_weight_difference(single / "final" / FULL, mesh / "final" / FULL) < 5e-5

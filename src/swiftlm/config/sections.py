@@ -189,7 +189,7 @@ class DistArguments:
     )
     tensor_parallel_size: int = doc(
         "Split each decoder block's projections over this many processes (DTensor tensor "
-        "parallel; equal to the number of processes).",
+        "parallel). With more processes, TP groups are also sharded by FSDP2 on a 2-D mesh.",
         default=1,
     )
     deepspeed: str | None = doc(

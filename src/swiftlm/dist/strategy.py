@@ -100,7 +100,8 @@ def build_strategy(
     if name == "tp":
         from swiftlm.dist.tp import TensorParallelStrategy
 
-        return TensorParallelStrategy(ctx, device, args.tensor_parallel_size or ctx.world_size)
+        size = args.tensor_parallel_size if args.tensor_parallel_size > 1 else ctx.world_size
+        return TensorParallelStrategy(ctx, device, size, compute_dtype)
     from swiftlm.dist.fsdp2 import FSDP2Strategy
 
     return FSDP2Strategy(ctx, device, args, compute_dtype)

@@ -3,17 +3,25 @@
 The plan is Megatron's, for Llama/Qwen/Mistral-style blocks: q/k/v and gate/up are split by
 output features (column-wise), o and down by input features (row-wise), so each block needs one
 all-reduce in attention and one in the MLP. Embeddings, norms and the LM head stay replicated.
-Every rank sees the same batch (no data parallelism inside a TP group).
+Every rank of a TP group sees the same batch. With more processes than
+`--tensor_parallel_size`, the groups form the second axis of a 2-D device mesh and FSDP2
+shards every block over it (data parallel across groups, tensor parallel within one).
 """
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from swiftlm.dist.common import clip_then_step
 from swiftlm.dist.env import DistContext
-from swiftlm.dist.fsdp2 import gather_full_weights, load_sharded_state, save_sharded_state
+from swiftlm.dist.fsdp2 import (
+    gather_full_weights,
+    load_sharded_state,
+    mixed_precision_policy,
+    reshard,
+    save_sharded_state,
+)
 from swiftlm.errors import ConfigError
 from swiftlm.train import checkpoint as ckpt
 
@@ -51,16 +59,25 @@ def check_divisible(model, size: int) -> None:
 
 
 class TensorParallelStrategy:
-    def __init__(self, ctx: DistContext, device: torch.device, size: int):
-        if size != ctx.world_size:
+    def __init__(
+        self,
+        ctx: DistContext,
+        device: torch.device,
+        size: int,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
+        if ctx.world_size % size:
             raise ConfigError(
-                f"--tensor_parallel_size {size} must equal the number of processes "
-                f"({ctx.world_size}); TP combined with data parallelism is not available yet"
+                f"--tensor_parallel_size {size} must divide the number of processes "
+                f"({ctx.world_size}): the rest of the world forms data-parallel groups"
             )
         self.ctx, self.device, self.size = ctx, device, size
+        self.compute_dtype = compute_dtype
+        self.groups = ctx.world_size // size  # data-parallel replicas of the TP group
 
-    dp_rank = property(lambda self: 0)  # every rank reads the same batch
-    dp_size = property(lambda self: 1)
+    # Mesh (data, tensor) in row-major order: ranks 0..size-1 form the first TP group.
+    dp_rank = property(lambda self: self.ctx.rank // self.size)
+    dp_size = property(lambda self: self.groups)
 
     def wrap(self, model):
         from torch.distributed.device_mesh import init_device_mesh
@@ -76,12 +93,24 @@ class TensorParallelStrategy:
                 "yet: use --train_type full, or --strategy fsdp2 / --deepspeed for adapters"
             )
         check_divisible(model, self.size)
-        mesh = init_device_mesh(self.device.type, (self.size,))
+        mesh = init_device_mesh(
+            self.device.type, (self.groups, self.size), mesh_dim_names=("data", "tensor")
+        )
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
         plan = {path: styles[style]() for path, style in BLOCK_PLAN.items()}
         for layer in decoder_layers(model):
-            parallelize_module(layer, mesh, plan)
+            parallelize_module(layer, mesh["tensor"], plan)
+        if self.groups > 1:
+            self._shard_over_data(model, mesh["data"])
         return model
+
+    def _shard_over_data(self, model, data_mesh) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        policy = mixed_precision_policy(self.device, self.compute_dtype)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=data_mesh, mp_policy=policy)
+        fully_shard(model, mesh=data_mesh, mp_policy=policy)
 
     def attach_optimizer(self, model, optimizer):
         return model, optimizer
@@ -90,7 +119,9 @@ class TensorParallelStrategy:
         return model
 
     def no_sync(self, model, sync: bool):
-        return nullcontext()  # no gradient all-reduce across TP ranks to postpone
+        if self.groups == 1:
+            return nullcontext()  # no gradient reduction across TP ranks to postpone
+        return _gradient_sync(model, sync)
 
     def clip_grad_norm(self, model, max_norm: float) -> float:
         """Global norm over sharded (DTensor) and replicated gradients, then scale in place."""
@@ -116,6 +147,7 @@ class TensorParallelStrategy:
         return clip_then_step(self, model, optimizer, max_norm, scaler)
 
     def save_state(self, folder: Path, model, optimizer) -> None:
+        self._reshard(model)
         save_sharded_state(folder, model, optimizer)  # tensors via DCP, param groups as JSON
         full = gather_full_weights(model)
         if self.ctx.is_main:
@@ -127,10 +159,25 @@ class TensorParallelStrategy:
                 f"{folder} has no sharded state ({ckpt.SHARDED_DIR}/); resume it with the "
                 "strategy that saved it"
             )
+        self._reshard(model)
         load_sharded_state(folder, model, optimizer)
 
     def save_final(self, model, tokenizer, folder: Path) -> None:
+        self._reshard(model)
         full = gather_full_weights(model)  # a collective: every rank takes part
         if self.ctx.is_main:
             ckpt.save_pretrained_atomically(model, tokenizer, folder, state_dict=full)
         self.ctx.barrier()
+
+    def _reshard(self, model) -> None:
+        if self.groups > 1:  # FSDP2 leaves blocks gathered after a forward without backward
+            reshard(model)
+
+
+@contextmanager
+def _gradient_sync(model, sync: bool):
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
