@@ -34,6 +34,8 @@ COMMON = [
     [
         ("zero2", "lora", "1e-2", "adapter_model.safetensors", "29631"),
         ("zero3", "full", "1e-3", "model.safetensors", "29632"),
+        ("zero3", "lora", "1e-2", "adapter_model.safetensors", "29633"),
+        ("zero2_offload", "full", "1e-3", "model.safetensors", "29634"),
     ],
 )
 def test_zero_matches_single_process(

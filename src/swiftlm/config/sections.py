@@ -182,7 +182,7 @@ class DistArguments:
     node_rank: int = doc("Rank of this node, 0 .. nnodes-1.", default=0)
     master_addr: str = doc("Address of the rank-0 node.", default="127.0.0.1")
     master_port: int = doc("Port of the rank-0 node.", default=29500)
-    strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed", "tp"] = doc(
+    strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed", "tp", "pp"] = doc(
         "How the model is spread over processes. auto: single for one process, ddp otherwise; "
         "fsdp2 with --fsdp, deepspeed with --deepspeed, tp with --tensor_parallel_size > 1.",
         default="auto",
@@ -190,6 +190,11 @@ class DistArguments:
     tensor_parallel_size: int = doc(
         "Split each decoder block's projections over this many processes (DTensor tensor "
         "parallel). With more processes, TP groups are also sharded by FSDP2 on a 2-D mesh.",
+        default=1,
+    )
+    pipeline_parallel_size: int = doc(
+        "Split the decoder blocks into this many pipeline stages (one per process; 1F1B "
+        "schedule over the --gradient_accumulation_steps micro-batches; full fine-tuning).",
         default=1,
     )
     deepspeed: str | None = doc(
@@ -200,6 +205,11 @@ class DistArguments:
     fsdp: str | None = doc(
         "ms-swift spelling: `--fsdp fsdp2` (or `full_shard`) selects --strategy fsdp2.",
         default=None,
+    )
+    fsdp_offload: bool = doc(
+        "FSDP2 on GPUs: keep the sharded weights, gradients and optimizer states in CPU memory "
+        "(CPUOffloadPolicy); the optimizer step then runs on the CPU.",
+        default=False,
     )
     max_restarts: int = doc(
         "Restart failed workers up to N times; each restart resumes from the newest complete "

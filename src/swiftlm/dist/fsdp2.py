@@ -60,13 +60,18 @@ class FSDP2Strategy:
         train_in_float32(model)
         mesh = init_device_mesh(self.device.type, (self.ctx.world_size,))
         policy = mixed_precision_policy(self.device, self.compute_dtype)
+        offload = offload_policy(self.device, self.args.fsdp_offload)
         for blocks in find_block_lists(model):
             for i, block in enumerate(blocks):
                 # The last block runs first in backward: keeping it gathered saves a gather.
                 fully_shard(
-                    block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1
+                    block,
+                    mesh=mesh,
+                    mp_policy=policy,
+                    offload_policy=offload,
+                    reshard_after_forward=i < len(blocks) - 1,
                 )
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         return model
 
     def attach_optimizer(self, model, optimizer):
@@ -149,6 +154,14 @@ class FSDP2Strategy:
 
 
 # ---- sharding -------------------------------------------------------------------------------
+
+
+def offload_policy(device: torch.device, offload: bool):
+    """CPUOffloadPolicy for --fsdp_offload on GPUs. On a CPU the weights are already in CPU
+    memory, so there is nothing to move: the default (no offload) policy is used."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
 
 
 def mixed_precision_policy(device: torch.device, compute_dtype: torch.dtype):

@@ -49,6 +49,10 @@ class Strategy(Protocol):
 
 
 def choose_strategy_name(args: DistArguments, world_size: int) -> str:
+    if args.pipeline_parallel_size > 1:
+        if args.deepspeed or args.fsdp or args.tensor_parallel_size > 1:
+            raise ConfigError("--pipeline_parallel_size cannot be combined with other engines yet")
+        return "pp" if world_size > 1 else "single"
     if args.tensor_parallel_size > 1 or args.strategy == "tp":
         if args.deepspeed is not None or args.fsdp is not None:
             raise ConfigError("--tensor_parallel_size conflicts with --deepspeed / --fsdp")
@@ -76,6 +80,7 @@ def build_strategy(
     device: torch.device,
     compute_dtype: torch.dtype = torch.float32,
     train: TrainArguments | None = None,
+    max_length: int = 2048,
 ) -> Strategy:
     name = choose_strategy_name(args, ctx.world_size)
     if args.grad_compression != "none" and name not in ("ddp", "single"):
@@ -97,6 +102,13 @@ def build_strategy(
         from swiftlm.dist.zero import DeepSpeedStrategy
 
         return DeepSpeedStrategy(ctx, device, args.deepspeed, train or TrainArguments(), compute_dtype)
+    if name == "pp":
+        from swiftlm.dist.pp import PipelineParallelStrategy
+
+        train = train or TrainArguments()
+        return PipelineParallelStrategy(
+            ctx, device, args.pipeline_parallel_size, max_length, train.gradient_accumulation_steps
+        )
     if name == "tp":
         from swiftlm.dist.tp import TensorParallelStrategy
 

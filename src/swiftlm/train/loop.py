@@ -327,7 +327,9 @@ def run_training(job: TrainingJob) -> dict:
             batches = rank_batches(job, indices)
             lr = optimizer.param_groups[0]["lr"]
             _beat(job, state.step + 1, "forward/backward")
-            loss, label_tokens, input_tokens = forward_backward(job, precision, batches)
+            # A pipeline schedule owns forward and backward; other strategies use ours.
+            step_fn = getattr(job.strategy, "forward_backward", None) or forward_backward
+            loss, label_tokens, input_tokens = step_fn(job, precision, batches)
             _beat(job, state.step + 1, "optimizer step")
             grad_norm = clip_and_step(job, optimizer, scheduler, precision, loss, state)
             state.step, state.position = state.step + 1, next_position

@@ -40,6 +40,11 @@ def check_config(cfg: TrainConfig) -> None:
         (cfg.tuner.lora_rank < 1, "--lora_rank must be >= 1"),
         (o.logging_steps < 1 or o.save_steps < 1, "--logging_steps and --save_steps must be >= 1"),
         (not 0 <= t.warmup_ratio <= 1, "--warmup_ratio must be in [0, 1]"),
+        (
+            cfg.dist.pipeline_parallel_size > 1 and (d.val_dataset or d.split_dataset_ratio > 0),
+            "evaluation is not available with --pipeline_parallel_size yet; drop --val_dataset "
+            "and --split_dataset_ratio",
+        ),
     ]
     for failed, message in problems:
         if failed:
@@ -136,7 +141,7 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
     run_dir = Path(cfg.output.output_dir)
     device = pick_device(cfg.model.device, ctx.local_rank)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
-    strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train)
+    strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train, cfg.data.max_length)
     log(
         f"model {resolved.requested} on {device} x {ctx.world_size} ({type(strategy).__name__}, "
         f"{str(compute_dtype).replace('torch.', '')} compute)"
