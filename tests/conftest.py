@@ -148,3 +148,13 @@ def max_weight_difference(file_a: Path, file_b: Path) -> float:
     a, b = load_file(file_a), load_file(file_b)
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def tiny_sft(model_dir: Path, data: Path, out: Path, **flags) -> list:
+    """`swiftlm sft` arguments for a tiny-model run: fp32, no TensorBoard, a log line per
+    step, then `flags` as `--name value`."""
+    argv = ["sft", "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out)]
+    argv += ["--torch_dtype", "float32", "--report_to", "none", "--logging_steps", "1"]
+    for name, value in flags.items():
+        argv += [f"--{name}", str(value)]
+    return argv

@@ -5,48 +5,32 @@ Each 2-rank launch costs ~7 s (two torch imports), so one launch covers several 
 
 import pytest
 
-from conftest import logged, max_weight_difference
+from conftest import logged, max_weight_difference, tiny_sft
 from swiftlm.cli.main import main
 
 ADAPTER = "adapter_model.safetensors"
-
-COMMON = [
-    "--torch_dtype",
-    "float32",
-    "--report_to",
-    "none",
-    "--logging_steps",
-    "1",
-    "--lora_dropout",
-    "0",
-    "--learning_rate",
-    "1e-2",
-    "--max_steps",
-    "5",
-    "--gradient_accumulation_steps",
-    "2",
-    "--save_steps",
-    "5",
-]
+STEPS = dict(
+    lora_dropout=0, learning_rate="1e-2", max_steps=5, gradient_accumulation_steps=2, save_steps=5
+)
 
 
 def test_ddp_two_ranks_match_a_single_process(tiny_model_dir, chat_jsonl, tmp_path, capfd):
-    base = ["sft", "--model", str(tiny_model_dir), "--dataset", str(chat_jsonl), *COMMON]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    assert main([*base, "--output_dir", str(single), "--per_device_train_batch_size", "4"]) == 0
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, single, per_device_train_batch_size=4, **STEPS))
+        == 0
+    )
     assert (
         main(
-            [
-                *base,
-                "--output_dir",
-                str(ddp),
-                "--per_device_train_batch_size",
-                "2",
-                "--nproc_per_node",
-                "2",
-                "--master_port",
-                "29517",
-            ]
+            tiny_sft(
+                tiny_model_dir,
+                chat_jsonl,
+                ddp,
+                per_device_train_batch_size=2,
+                **STEPS,
+                nproc_per_node=2,
+                master_port=29517,
+            )
         )
         == 0
     )

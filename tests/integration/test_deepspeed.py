@@ -1,75 +1,49 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3 over 2 gloo ranks on CPU equal one process with the same
-global batch (fp32, tolerance 1e-5). DeepSpeed builds a small shared-memory op on first use
-(~30 s, cached in TORCH_EXTENSIONS_DIR)."""
+"""DeepSpeed ZeRO over 2 gloo ranks on CPU equals one process with the same global batch
+(fp32, tolerance 1e-5). DeepSpeed builds a small shared-memory op on first use (~30 s, cached
+in TORCH_EXTENSIONS_DIR)."""
 
 import pytest
 
-from conftest import logged, max_weight_difference
+from conftest import logged, max_weight_difference, tiny_sft
 from swiftlm.cli.main import main
 
 pytest.importorskip(
     "deepspeed", reason="DeepSpeed is an optional extra: pip install swiftlm[deepspeed]"
 )
 
-COMMON = [
-    "--torch_dtype",
-    "float32",
-    "--report_to",
-    "none",
-    "--logging_steps",
-    "1",
-    "--lora_dropout",
-    "0",
-    "--max_steps",
-    "5",
-    "--gradient_accumulation_steps",
-    "2",
-    "--save_steps",
-    "5",
-]
+STEPS = dict(lora_dropout=0, max_steps=5, gradient_accumulation_steps=2, save_steps=5)
 
 
 @pytest.mark.parametrize(
     ("stage", "train_type", "lr", "weights", "port"),
     [
-        ("zero2", "lora", "1e-2", "adapter_model.safetensors", "29631"),
-        ("zero3", "full", "1e-3", "model.safetensors", "29632"),
-        ("zero3", "lora", "1e-2", "adapter_model.safetensors", "29633"),
-        ("zero2_offload", "full", "1e-3", "model.safetensors", "29634"),
+        ("zero2", "lora", "1e-2", "adapter_model.safetensors", 29631),
+        ("zero3", "full", "1e-3", "model.safetensors", 29632),
+        ("zero3", "lora", "1e-2", "adapter_model.safetensors", 29633),
+        ("zero2_offload", "full", "1e-3", "model.safetensors", 29634),
     ],
 )
 def test_zero_matches_single_process(
     tiny_model_dir, chat_jsonl, tmp_path, capfd, stage, train_type, lr, weights, port
 ):
-    base = [
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(chat_jsonl),
-        *COMMON,
-        "--train_type",
-        train_type,
-        "--learning_rate",
-        lr,
-    ]
     single, zero = tmp_path / "single", tmp_path / stage
-    assert main([*base, "--output_dir", str(single), "--per_device_train_batch_size", "4"]) == 0
+    run = dict(train_type=train_type, learning_rate=lr, **STEPS)
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, single, per_device_train_batch_size=4, **run))
+        == 0
+    )
     assert (
         main(
-            [
-                *base,
-                "--output_dir",
-                str(zero),
-                "--per_device_train_batch_size",
-                "2",
-                "--nproc_per_node",
-                "2",
-                "--deepspeed",
-                stage,
-                "--master_port",
-                port,
-            ]
+            tiny_sft(
+                tiny_model_dir,
+                chat_jsonl,
+                zero,
+                per_device_train_batch_size=2,
+                **run,
+                nproc_per_node=2,
+                deepspeed=stage,
+                master_port=port,
+            )
         )
         == 0
     )
@@ -78,6 +52,5 @@ def test_zero_matches_single_process(
     assert max_weight_difference(single / "final" / weights, zero / "final" / weights) < 1e-5
     step = zero / "checkpoints" / "step-5"
     assert (step / "COMPLETE").is_file() and (step / "deepspeed").is_dir()
-    assert (
-        max_weight_difference(single / "final" / weights, step / weights) < 1e-5
-    )  # consolidated, loadable as is
+    # the checkpoint also holds a consolidated model/adapter, loadable as is
+    assert max_weight_difference(single / "final" / weights, step / weights) < 1e-5

@@ -5,45 +5,29 @@ import shutil
 
 import pytest
 
-from conftest import logged, max_weight_difference
+from conftest import logged, max_weight_difference, tiny_sft
 from swiftlm.cli.main import main
 from swiftlm.dist.pp import stage_bounds
 
 FULL = "model.safetensors"
+STEPS = dict(
+    train_type="full",
+    learning_rate="1e-3",
+    max_steps=6,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    save_steps=3,
+    max_length=64,
+)
 
 
 def test_pp_matches_a_single_process_and_resumes(tiny_model_dir, chat_jsonl, tmp_path, capfd):
-    base = [
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(chat_jsonl),
-        "--torch_dtype",
-        "float32",
-        "--report_to",
-        "none",
-        "--logging_steps",
-        "1",
-        "--train_type",
-        "full",
-        "--learning_rate",
-        "1e-3",
-        "--max_steps",
-        "6",
-        "--per_device_train_batch_size",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--save_steps",
-        "3",
-        "--max_length",
-        "64",
-    ]
-    single, pp = tmp_path / "single", tmp_path / "pp"
-    assert main([*base, "--output_dir", str(single)]) == 0
-    pipeline = ["--nproc_per_node", "2", "--pipeline_parallel_size", "2", "--master_port", "29692"]
-    assert main([*base, "--output_dir", str(pp), *pipeline]) == 0
+    single, pp, resumed = tmp_path / "single", tmp_path / "pp", tmp_path / "resumed"
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **STEPS)) == 0
+    pipeline = dict(nproc_per_node=2, pipeline_parallel_size=2)
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, pp, **STEPS, **pipeline, master_port=29692)) == 0
+    )
     assert "x 2 (PipelineParallelStrategy" in capfd.readouterr().out
     assert logged(pp) == pytest.approx(logged(single), abs=1e-5)
     assert logged(pp, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
@@ -52,12 +36,23 @@ def test_pp_matches_a_single_process_and_resumes(tiny_model_dir, chat_jsonl, tmp
     assert (step / "stage-0").is_dir() and (step / "stage-1").is_dir() and (step / FULL).is_file()
 
     # Lose everything after step 3, then resume: the same final weights.
-    resumed = tmp_path / "resumed"
     shutil.copytree(pp, resumed)
     shutil.rmtree(resumed / "final")
     shutil.rmtree(resumed / "checkpoints" / "step-6")
-    argv = [*base, "--output_dir", str(resumed), "--resume_from_checkpoint", "auto", *pipeline]
-    assert main(argv[:-1] + ["29693"]) == 0
+    assert (
+        main(
+            tiny_sft(
+                tiny_model_dir,
+                chat_jsonl,
+                resumed,
+                **STEPS,
+                **pipeline,
+                resume_from_checkpoint="auto",
+                master_port=29693,
+            )
+        )
+        == 0
+    )
     assert max_weight_difference(pp / "final" / FULL, resumed / "final" / FULL) <= 1e-6
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import logged, max_weight_difference
+from conftest import logged, max_weight_difference, tiny_sft
 from swiftlm.cli.main import main
 from swiftlm.config.sections import DistArguments
 from swiftlm.dist.env import DistContext
@@ -11,61 +11,71 @@ from swiftlm.dist.tp import TensorParallelStrategy
 from swiftlm.errors import ConfigError
 
 FULL = "model.safetensors"
+STEPS = dict(
+    train_type="full",
+    learning_rate="1e-3",
+    max_steps=5,
+    gradient_accumulation_steps=2,
+    save_steps=5,
+)
+
+
+def assert_same_training(single, parallel):
+    assert logged(parallel) == pytest.approx(logged(single), abs=1e-5)
+    # Ranks of a TP group share a batch: its tokens must count once (a doubled count halves
+    # the gradient, which Adam hides but the clipping and this logged norm do not).
+    assert logged(parallel, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
+    # Split matmuls sum in another order (~1e-7 relative); Adam divides by sqrt(v), which
+    # magnifies that for near-zero gradient entries, hence 5e-5 on weights after 5 steps.
+    assert max_weight_difference(single / "final" / FULL, parallel / "final" / FULL) < 5e-5
 
 
 def test_tp_full_fine_tuning_matches_a_single_process(tiny_model_dir, chat_jsonl, tmp_path, capfd):
-    base = [
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(chat_jsonl),
-        "--torch_dtype",
-        "float32",
-        "--report_to",
-        "none",
-        "--logging_steps",
-        "1",
-        "--train_type",
-        "full",
-        "--learning_rate",
-        "1e-3",
-        "--max_steps",
-        "5",
-        "--per_device_train_batch_size",
-        "4",
-        "--gradient_accumulation_steps",
-        "2",
-        "--save_steps",
-        "5",
-    ]
     single, tp = tmp_path / "single", tmp_path / "tp"
-    assert main([*base, "--output_dir", str(single)]) == 0
+    batch = dict(per_device_train_batch_size=4, **STEPS)
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **batch)) == 0
     assert (
         main(
-            [
-                *base,
-                "--output_dir",
-                str(tp),
-                "--nproc_per_node",
-                "2",
-                "--tensor_parallel_size",
-                "2",
-                "--master_port",
-                "29661",
-            ]
+            tiny_sft(
+                tiny_model_dir,
+                chat_jsonl,
+                tp,
+                **batch,
+                nproc_per_node=2,
+                tensor_parallel_size=2,
+                master_port=29661,
+            )
         )
         == 0
     )
     assert "x 2 (TensorParallelStrategy" in capfd.readouterr().out
-    assert logged(tp) == pytest.approx(logged(single), abs=1e-5)
-    # Ranks of a TP group share a batch: its tokens must count once (a doubled count halves
-    # the gradient, which Adam hides but the clipping and this logged norm do not).
-    assert logged(tp, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
-    # Split matmuls sum in another order (~1e-7 relative); Adam divides by sqrt(v), which
-    # magnifies that for near-zero gradient entries, hence 5e-5 on weights after 5 steps.
-    assert max_weight_difference(single / "final" / FULL, tp / "final" / FULL) < 5e-5
+    assert_same_training(single, tp)
     assert (tp / "checkpoints" / "step-5" / "dcp").is_dir()
+
+
+def test_tp_and_fsdp2_on_a_2d_mesh_match_a_single_process(tiny_model_dir, chat_jsonl, tmp_path):
+    # 4 processes: 2 data-parallel groups (FSDP2) x 2 tensor-parallel ranks; 2 samples per group.
+    single, mesh = tmp_path / "single", tmp_path / "mesh"
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, single, per_device_train_batch_size=4, **STEPS))
+        == 0
+    )
+    assert (
+        main(
+            tiny_sft(
+                tiny_model_dir,
+                chat_jsonl,
+                mesh,
+                per_device_train_batch_size=2,
+                **STEPS,
+                nproc_per_node=4,
+                tensor_parallel_size=2,
+                master_port=29662,
+            )
+        )
+        == 0
+    )
+    assert_same_training(single, mesh)
 
 
 def test_tp_rejects_adapters_and_indivisible_heads(tiny_model_dir):
@@ -84,56 +94,7 @@ def test_tp_rejects_adapters_and_indivisible_heads(tiny_model_dir):
     two_d = TensorParallelStrategy(DistContext(rank=3, world_size=4), "cpu", 2)
     assert (two_d.dp_rank, two_d.dp_size) == (1, 2)  # rank 3 = data group 1, tensor rank 1
     assert choose_strategy_name(DistArguments(tensor_parallel_size=2), 2) == "tp"
+    assert choose_strategy_name(DistArguments(pipeline_parallel_size=2), 2) == "pp"
     assert choose_strategy_name(DistArguments(deepspeed="zero2"), 2) == "deepspeed"
     assert choose_strategy_name(DistArguments(), 2) == "ddp"
     assert choose_strategy_name(DistArguments(), 1) == "single"
-
-
-def test_tp_and_fsdp2_on_a_2d_mesh_match_a_single_process(tiny_model_dir, chat_jsonl, tmp_path):
-    # 4 processes: 2 data-parallel groups (FSDP2) x 2 tensor-parallel ranks; 2 samples per group.
-    base = [
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(chat_jsonl),
-        "--torch_dtype",
-        "float32",
-        "--report_to",
-        "none",
-        "--logging_steps",
-        "1",
-        "--train_type",
-        "full",
-        "--learning_rate",
-        "1e-3",
-        "--max_steps",
-        "5",
-        "--gradient_accumulation_steps",
-        "2",
-        "--save_steps",
-        "5",
-    ]
-    single, mesh = tmp_path / "single", tmp_path / "mesh"
-    assert main([*base, "--output_dir", str(single), "--per_device_train_batch_size", "4"]) == 0
-    assert (
-        main(
-            [
-                *base,
-                "--output_dir",
-                str(mesh),
-                "--per_device_train_batch_size",
-                "2",
-                "--nproc_per_node",
-                "4",
-                "--tensor_parallel_size",
-                "2",
-                "--master_port",
-                "29662",
-            ]
-        )
-        == 0
-    )
-    assert logged(mesh) == pytest.approx(logged(single), abs=1e-5)
-    assert logged(mesh, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
-    assert max_weight_difference(single / "final" / FULL, mesh / "final" / FULL) < 5e-5
