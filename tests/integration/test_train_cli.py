@@ -53,8 +53,9 @@ def test_lora_run_learns_and_writes_a_complete_run_directory(tiny_model_dir, cha
     losses = train_losses(out)
     assert losses[-1] < 0.5 * losses[0], losses
     step_rows = [m for m in metrics if "loss" in m]
-    for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "epoch"):
+    for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "epoch", "mfu"):
         assert key in step_rows[0]
+    assert all(0 < row["mfu"] < 1 for row in step_rows)
     assert step_rows[0]["step"] == 1
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
     assert len(evals) >= 2 and evals[-1] < evals[0]

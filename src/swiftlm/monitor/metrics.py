@@ -105,6 +105,7 @@ def format_summary(summary: dict) -> str:
         "steps": "optimizer steps",
         "train_time_s": "train time (s)",
         "tokens_per_second": "tokens/s",
+        "mfu": "MFU",
         "peak_memory_gib": "peak memory (GiB)",
         "final_train_loss": "final train loss",
         "final_eval_loss": "final eval loss",

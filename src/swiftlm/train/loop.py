@@ -50,6 +50,8 @@ class TrainingJob:
     run_dir: Path
     strategy: Strategy = None  # type: ignore[assignment]  # set by the command
     heartbeat: Heartbeat | None = None  # hang detection across ranks
+    flops_per_token: float = 0.0  # training FLOPs per token, for MFU (0: not reported)
+    peak_flops: float = 0.0  # of all devices of the job together
     log: Callable[[str], None] = print
 
 
@@ -273,6 +275,13 @@ class LogWindow:
         return row
 
 
+def mfu_metric(job: TrainingJob, tokens_per_second: float) -> dict:
+    """Model FLOPs utilization of the logged window (useful tokens only, not padding)."""
+    if not job.flops_per_token or not job.peak_flops:
+        return {}
+    return {"mfu": round(tokens_per_second * job.flops_per_token / job.peak_flops, 4)}
+
+
 def strategy_metrics(strategy) -> dict:
     """Figures a strategy reports for the log (e.g. DDP's gradient bytes sent); optional."""
     report = getattr(strategy, "step_metrics", None)
@@ -339,11 +348,13 @@ def run_training(job: TrainingJob) -> dict:
             progress.update(loss, lr, window.throughput.rate())
             last = state.step == num_steps
             if state.step == 1 or state.step % out.logging_steps == 0 or last:
+                window_row = window.flush()
                 metrics.log(
                     {
                         "step": state.step,
                         "epoch": round(state.step / per_epoch, 4),
-                        **window.flush(),
+                        **window_row,
+                        **mfu_metric(job, window_row["tokens_per_second"]),
                         "learning_rate": lr,
                         "grad_norm": grad_norm,
                         "memory_gib": round(peak_memory_gib(job.device), 3),
@@ -367,6 +378,7 @@ def run_training(job: TrainingJob) -> dict:
         "steps": state.step,
         "train_time_s": state.train_seconds,
         "tokens_per_second": state.tokens_seen / max(state.train_seconds, 1e-9),
+        **mfu_metric(job, state.tokens_seen / max(state.train_seconds, 1e-9)),
         "peak_memory_gib": peak_memory_gib(job.device),
         "final_train_loss": state.last_loss,
         "final_eval_loss": state.last_eval_loss,

@@ -16,6 +16,7 @@ from swiftlm.dist.strategy import build_strategy
 from swiftlm.errors import ConfigError
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.monitor.metrics import format_summary
+from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.losses import causal_lm_loss
 from swiftlm.tuners.setup import apply_tuner, count_parameters
@@ -158,6 +159,9 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.2f}%)"
     )
+    mean_length = sum(len(s["input_ids"]) for s in train_data) / len(train_data)
+    flops = flops_per_token(model, int(mean_length), cfg.train.gradient_checkpointing)
+    peak = peak_flops(device, compute_dtype) * ctx.world_size
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
     job = TrainingJob(
@@ -172,6 +176,8 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         output=cfg.output,
         run_dir=run_dir,
         strategy=strategy,
+        flops_per_token=flops,
+        peak_flops=peak,
         heartbeat=Heartbeat(ctx, cfg.dist.heartbeat_timeout, run_dir) if ctx.distributed else None,
         log=log,
     )
