@@ -5,8 +5,6 @@ token, so a base model learns to stop on a token it already has and no embedding
 added. When the tokenizer has a real `<|im_end|>` token, that is used instead.
 """
 
-DEFAULT_SYSTEM = None
-
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + END_OF_TURN + '\\n' }}"
