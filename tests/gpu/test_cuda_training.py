@@ -1,10 +1,9 @@
 """GPU paths: run with `pytest -m gpu` on a machine with CUDA."""
 
-import json
-
 import pytest
 import torch
 
+from conftest import logged, tiny_sft
 from swiftlm.cli.main import main
 
 pytestmark = [
@@ -16,30 +15,9 @@ pytestmark = [
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_lora_trains_on_cuda_with_autocast(tiny_model_dir, chat_jsonl, tmp_path, dtype):
     out = tmp_path / dtype
-    argv = [
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(chat_jsonl),
-        "--output_dir",
-        str(out),
-        "--device",
-        "cuda",
-        "--torch_dtype",
-        dtype,
-        "--num_train_epochs",
-        "10",
-        "--learning_rate",
-        "5e-3",
-        "--per_device_train_batch_size",
-        "4",
-        "--logging_steps",
-        "1",
-        "--report_to",
-        "none",
-    ]
-    assert main(argv) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
+    run = dict(device="cuda", torch_dtype=dtype, num_train_epochs=10, learning_rate="5e-3")
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, out, per_device_train_batch_size=4, **run)) == 0
+    )
+    losses = logged(out)
     assert losses[-1] < 0.6 * losses[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHAT_ROWS, write_jsonl
+from conftest import CHAT_ROWS, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
 
 FAST = ["--torch_dtype", "float32", "--report_to", "none", "--logging_steps", "1"]
@@ -364,28 +364,10 @@ def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, chat_jsonl,
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_autocast_trains(tiny_model_dir, chat_jsonl, tmp_path, dtype):
     out = tmp_path / dtype
-    argv = [
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(chat_jsonl),
-        "--output_dir",
-        str(out),
-        "--torch_dtype",
-        dtype,
-        "--report_to",
-        "none",
-        "--logging_steps",
-        "1",
-        "--num_train_epochs",
-        "6",
-        "--learning_rate",
-        "5e-3",
-        "--per_device_train_batch_size",
-        "4",
-    ]
-    assert main(argv) == 0
+    run = dict(torch_dtype=dtype, num_train_epochs=6, learning_rate="5e-3")
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, out, per_device_train_batch_size=4, **run)) == 0
+    )
     losses = train_losses(out)
     assert all(loss == loss for loss in losses)  # no NaN
     assert losses[-1] < 0.7 * losses[0]
