@@ -98,8 +98,9 @@ def test_causal_lm_loss_uses_the_model_logits():
     logits = random_logits(seed=2)
     seen = {}
 
-    def model(input_ids, attention_mask):
+    def model(input_ids, attention_mask, use_cache):
         seen["input_ids"], seen["attention_mask"] = input_ids, attention_mask
+        seen["use_cache"] = use_cache
         return SimpleNamespace(logits=logits)
 
     batch = {
@@ -111,6 +112,7 @@ def test_causal_lm_loss_uses_the_model_logits():
     assert metrics == {}
     assert seen["input_ids"] is batch["input_ids"]
     assert seen["attention_mask"] is batch["attention_mask"]
+    assert seen["use_cache"] is False  # a cache would hide packed sample boundaries
     assert math.isclose(float(loss_sum), reference_sum(logits, LABELS), rel_tol=1e-6)
 
 

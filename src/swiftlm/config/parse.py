@@ -82,6 +82,24 @@ def load_yaml(path: str, config_cls: type) -> dict[str, Any]:
     return flatten_yaml(data, config_cls, path)
 
 
+# Integer flags that also accept the word `auto`, stored as 0 and resolved at run time.
+AUTO_INT_FLAGS = {"per_device_train_batch_size"}
+
+
+def _auto_to_zero(argv: list[str]) -> list[str]:
+    """`--per_device_train_batch_size auto` (or `=auto`) -> 0, before argparse's int()."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name not in AUTO_INT_FLAGS:
+            continue
+        if eq and value == "auto":
+            out[i] = f"--{name}=0"
+        elif not eq and i + 1 < len(out) and out[i + 1] == "auto":
+            out[i + 1] = "0"
+    return out
+
+
 def _normalize_flag(arg: str) -> str:
     """`--tuner-type=x` -> `--train_type=x`: accept dashes and ms-swift aliases."""
     if not arg.startswith("--"):
@@ -125,6 +143,7 @@ def parse_config(config_cls: type[C], argv: list[str], prog: str, description: s
         yaml_flags, yaml_lists = _split_yaml_values(load_yaml(argv[0], config_cls))
         parser.set_defaults(**yaml_lists)
         argv = yaml_flags + argv[1:]
+    argv = _auto_to_zero(argv)
     *sections, remaining = parser.parse_args_into_dataclasses(
         argv, return_remaining_strings=True, look_for_args_file=False
     )

@@ -93,7 +93,11 @@ class TunerArguments:
 class TrainArguments:
     num_train_epochs: float = doc("Passes over the training data.", default=3.0)
     max_steps: int = doc("Optimizer steps; overrides --num_train_epochs when > 0.", default=-1)
-    per_device_train_batch_size: int = doc("Samples per micro-batch.", default=1)
+    per_device_train_batch_size: int = doc(
+        "Samples per micro-batch (packed rows with --packing). `auto` (or 0) picks the largest "
+        "that fits: probed on GPUs, estimated from free memory on CPUs.",
+        default=1,
+    )
     per_device_eval_batch_size: int = doc("Samples per evaluation batch.", default=1)
     gradient_accumulation_steps: int = doc("Micro-batches per optimizer step.", default=1)
     learning_rate: float | None = doc(
@@ -110,6 +114,31 @@ class TrainArguments:
     max_grad_norm: float = doc("Clip the gradient norm to this (0 disables).", default=1.0)
     gradient_checkpointing: bool = doc(
         "Recompute activations in the backward pass to save memory.", default=False
+    )
+    packing: bool = doc(
+        "Bin-pack samples into rows of up to --max_length tokens (best-fit decreasing). "
+        "Attention and positions restart per sample, so losses equal unpacked training.",
+        default=False,
+    )
+    padding_free: bool = doc(
+        "Concatenate each micro-batch into one row without padding (samples stay separate, "
+        "as with --packing).",
+        default=False,
+    )
+    max_tokens_per_batch: int = doc(
+        "Token budget per micro-batch: micro-batches are filled from length-sorted buckets up "
+        "to this many tokens (padding included unless --padding_free). 0: fixed "
+        "--per_device_train_batch_size.",
+        default=0,
+    )
+    fused_cross_entropy: bool = doc(
+        "Compute the LM head and the loss in chunks, only at label positions, so the "
+        "[tokens, vocab] logits are never held in memory.",
+        default=True,
+    )
+    torch_compile: bool = doc(
+        "Compile each decoder layer with torch.compile (slow first steps, faster after).",
+        default=False,
     )
     seed: int = doc("Seed for weights init, dropout and data order.", default=42)
     nonfinite_loss: Literal["error", "skip"] = doc(

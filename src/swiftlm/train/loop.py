@@ -16,14 +16,21 @@ from pathlib import Path
 import torch
 
 from swiftlm.config.sections import OutputArguments, TrainArguments
-from swiftlm.data.collate import collate
+from swiftlm.data.collate import collate, collate_packed, count_input_tokens
 from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.dist.heartbeat import Heartbeat
 from swiftlm.dist.strategy import Strategy
 from swiftlm.errors import SwiftLMError
 from swiftlm.monitor.metrics import MetricsLogger, Progress, Throughput, peak_memory_gib
 from swiftlm.train import checkpoint as ckpt
-from swiftlm.train.batching import DataPosition, iterate_steps, steps_per_epoch, total_steps
+from swiftlm.train.batching import (
+    BatchPlan,
+    DataPosition,
+    GlobalBatch,
+    iterate_steps,
+    steps_in_epoch,
+    total_steps,
+)
 from swiftlm.train.losses import count_label_tokens
 from swiftlm.train.optim import build_optimizer, build_scheduler
 
@@ -50,6 +57,7 @@ class TrainingJob:
     run_dir: Path
     strategy: Strategy = None  # type: ignore[assignment]  # set by the command
     heartbeat: Heartbeat | None = None  # hang detection across ranks
+    batch_plan: BatchPlan | None = None  # default: fixed-size batches of unpacked samples
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU (0: not reported)
     peak_flops: float = 0.0  # of all devices of the job together
     log: Callable[[str], None] = print
@@ -103,25 +111,39 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def rank_batches(job: TrainingJob, step_indices: list[list[int]]) -> list[dict]:
-    """This rank's share of each global micro-batch, padded into tensors.
+def default_batch_plan(job: TrainingJob) -> BatchPlan:
+    return BatchPlan(
+        lengths=tuple(len(s["input_ids"]) for s in job.train_data),
+        batch_size=job.args.per_device_train_batch_size,
+        dp_size=job.strategy.dp_size,
+        seed=job.args.seed,
+    )
+
+
+def _masked_copy(sample: dict) -> dict:
+    return {**sample, "labels": [IGNORE_INDEX] * len(sample["labels"])}
+
+
+def rank_batches(job: TrainingJob, step_batches: list[GlobalBatch]) -> list[dict]:
+    """This rank's share of each global micro-batch, as tensors.
 
     A rank whose share of a short last micro-batch is empty still runs a fully masked sample:
     it adds nothing to the loss but keeps the collectives of every rank in step.
     """
-    size, rank = job.args.per_device_train_batch_size, job.strategy.dp_rank
-    pad = job.tokenizer.pad_token_id
+    plan, rank, pad = job.batch_plan, job.strategy.dp_rank, job.tokenizer.pad_token_id
+    packed = plan.packs is not None or plan.padding_free
     batches = []
-    for indices in step_indices:
-        mine = [job.train_data[i] for i in indices[rank * size : (rank + 1) * size]]
-        if not mine:
-            mine = [
-                {
-                    **job.train_data[indices[0]],
-                    "labels": [IGNORE_INDEX] * len(job.train_data[indices[0]]["labels"]),
-                }
-            ]
-        batches.append(collate(mine, pad))
+    for global_batch in step_batches:
+        rows = global_batch[rank] if rank < len(global_batch) else []
+        samples = [[job.train_data[i] for i in row] for row in rows]
+        if not samples:
+            samples = [[_masked_copy(job.train_data[global_batch[0][0][0]])]]
+        if plan.padding_free:
+            batches.append(collate_packed([[s for row in samples for s in row]], pad))
+        elif packed:
+            batches.append(collate_packed(samples, pad))
+        else:
+            batches.append(collate([row[0] for row in samples], pad))
     return batches
 
 
@@ -153,7 +175,7 @@ def forward_backward(
                 precision.scale(loss_sum * scale), last_micro_batch=i == len(batches) - 1
             )
         local_loss += float(loss_sum.detach())
-    input_tokens = _data_sum(strategy, sum(int(b["attention_mask"].sum()) for b in batches))
+    input_tokens = _data_sum(strategy, sum(count_input_tokens(b) for b in batches))
     loss = _data_sum(strategy, local_loss) / max(label_tokens, 1)
     return loss, int(label_tokens), int(input_tokens)
 
@@ -197,7 +219,7 @@ def evaluate(job: TrainingJob, precision: Precision) -> float | None:
     # Sharded models (FSDP2) gather weights inside forward, so every rank runs as many batches
     # as rank 0; a rank out of samples runs a fully masked one that adds nothing.
     most = len(job.val_data[:: job.strategy.dp_size])
-    masked = {**job.val_data[0], "labels": [IGNORE_INDEX] * len(job.val_data[0]["labels"])}
+    masked = _masked_copy(job.val_data[0])
     loss_sum, tokens = 0.0, 0
     for i in range(0, most, size):
         batch = collate(mine[i : i + size] or [masked], pad)
@@ -294,21 +316,19 @@ def _beat(job: TrainingJob, step: int, phase: str) -> None:
 
 
 def plan_steps(job: TrainingJob) -> tuple[int, int]:
-    """(total optimizer steps, steps per epoch)."""
-    a, n = job.args, len(job.train_data)
-    size, accumulation = (
-        a.per_device_train_batch_size * job.strategy.dp_size,
-        a.gradient_accumulation_steps,
-    )
+    """(total optimizer steps, steps of the first epoch)."""
+    a = job.args
+    accumulation = a.gradient_accumulation_steps
     return (
-        total_steps(n, size, accumulation, a.num_train_epochs, a.max_steps),
-        steps_per_epoch(n, size, accumulation),
+        total_steps(job.batch_plan, accumulation, a.num_train_epochs, a.max_steps),
+        steps_in_epoch(job.batch_plan, accumulation, 0),
     )
 
 
 def run_training(job: TrainingJob) -> dict:
     """Train to the planned number of steps; return the run summary."""
     args, out = job.args, job.output
+    job.batch_plan = job.batch_plan or default_batch_plan(job)
     num_steps, per_epoch = plan_steps(job)
     optimizer = build_optimizer(job.model, args)
     # The schedule drives the plain optimizer's learning rate; an engine that wraps the
@@ -321,13 +341,7 @@ def run_training(job: TrainingJob) -> dict:
     metrics = MetricsLogger(job.run_dir, out.report_to, resume=state.step > 0, enabled=main)
     progress, window = Progress(num_steps, state.step, enabled=main), LogWindow()
     eval_every = out.eval_steps or out.save_steps
-    steps = iterate_steps(
-        len(job.train_data),
-        args.per_device_train_batch_size * job.strategy.dp_size,
-        args.gradient_accumulation_steps,
-        args.seed,
-        state.position,
-    )
+    steps = iterate_steps(job.batch_plan, args.gradient_accumulation_steps, state.position)
     started = time.perf_counter() - state.train_seconds
     job.model.train()
     try:

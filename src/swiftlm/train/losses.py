@@ -5,6 +5,7 @@ makes gradient accumulation exact: 4 x batch 1 equals 1 x batch 4."""
 import torch
 import torch.nn.functional as F
 
+from swiftlm.data.collate import model_inputs
 from swiftlm.data.encode import IGNORE_INDEX
 
 
@@ -31,6 +32,7 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
     """loss_fn(model, batch) -> (sum of token losses, metrics) for SFT and pre-training."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # No KV cache: with one, transformers ignores the sample boundaries of packed rows.
+    logits = model(**model_inputs(batch), use_cache=False).logits
     loss_sum = token_cross_entropy_sum(logits, batch["labels"])
     return loss_sum, {}

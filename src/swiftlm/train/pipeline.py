@@ -14,9 +14,11 @@ from swiftlm.dist.env import init_distributed, shutdown_distributed
 from swiftlm.dist.heartbeat import Heartbeat
 from swiftlm.dist.strategy import build_strategy
 from swiftlm.errors import ConfigError
+from swiftlm.models.attention import training_attention
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.monitor.metrics import format_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
+from swiftlm.train.batching import build_batch_plan, describe_plan
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.losses import causal_lm_loss
 from swiftlm.tuners.setup import apply_tuner, count_parameters
@@ -32,7 +34,21 @@ def check_config(cfg: TrainConfig) -> None:
     problems = [
         (d.max_length < 2, "--max_length must be at least 2"),
         (not 0 <= d.split_dataset_ratio < 1, "--split_dataset_ratio must be in [0, 1)"),
-        (t.per_device_train_batch_size < 1, "--per_device_train_batch_size must be >= 1"),
+        (
+            t.per_device_train_batch_size < 0,
+            "--per_device_train_batch_size must be >= 1, or auto",
+        ),
+        (
+            0 < t.max_tokens_per_batch < d.max_length,
+            f"--max_tokens_per_batch {t.max_tokens_per_batch} is below --max_length "
+            f"{d.max_length}: the longest samples would not fit; raise it or lower --max_length",
+        ),
+        (
+            cfg.dist.pipeline_parallel_size > 1
+            and (t.packing or t.padding_free or t.max_tokens_per_batch > 0),
+            "--packing, --padding_free and --max_tokens_per_batch are not available with "
+            "--pipeline_parallel_size (its stages need fixed shapes)",
+        ),
         (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be >= 1"),
         (
             t.max_steps <= 0 and t.num_train_epochs <= 0,
@@ -109,11 +125,26 @@ def prepare_model(
     # (peft keeps adapters in float32) so small updates are not lost to rounding.
     full = cfg.tuner.train_type == "full"
     weight_dtype = torch.float32 if full or compute_dtype == torch.float16 else compute_dtype
-    model = load_model(model_path, weight_dtype, device, cfg.model.attn_impl)
+    packed = cfg.train.packing or cfg.train.padding_free
+    attention = training_attention(cfg.model.attn_impl, device, packed)
+    model = load_model(model_path, weight_dtype, device, attention)
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return apply_tuner(model, cfg.tuner)
+
+
+def make_batch_plan(cfg: TrainConfig, train_data: list[dict], dp_size: int):
+    t = cfg.train
+    return build_batch_plan(
+        [len(s["input_ids"]) for s in train_data],
+        t.per_device_train_batch_size,
+        dp_size,
+        t.seed,
+        pack_to=cfg.data.max_length if t.packing else 0,
+        max_tokens=t.max_tokens_per_batch,
+        padding_free=t.padding_free,
+    )
 
 
 def _silent(_: str) -> None:
@@ -164,6 +195,8 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
     peak = peak_flops(device, compute_dtype) * ctx.world_size
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
+    batch_plan = make_batch_plan(cfg, train_data, strategy.dp_size)
+    log(describe_plan(batch_plan, cfg.data.max_length))
     job = TrainingJob(
         model=strategy.wrap(model),
         tokenizer=tokenizer,
@@ -176,6 +209,7 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         output=cfg.output,
         run_dir=run_dir,
         strategy=strategy,
+        batch_plan=batch_plan,
         flops_per_token=flops,
         peak_flops=peak,
         heartbeat=Heartbeat(ctx, cfg.dist.heartbeat_timeout, run_dir) if ctx.distributed else None,
