@@ -95,6 +95,18 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_data_cache(tmp_path_factory):
+    """Tokenized-data cache entries of the tests stay out of the user's cache."""
+    previous = os.environ.get("SWIFTLM_DATA_CACHE")
+    os.environ["SWIFTLM_DATA_CACHE"] = str(tmp_path_factory.mktemp("data-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("SWIFTLM_DATA_CACHE")
+    else:
+        os.environ["SWIFTLM_DATA_CACHE"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A saved tiny Llama (2 layers, hidden 64) with a ChatML BPE tokenizer."""

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from tests.conftest import logged, max_weight_difference, tiny_sft
 
 from swiftlm.cli.main import main
-from tests.conftest import logged, max_weight_difference, tiny_sft
 
 STEPS = dict(max_steps=4, learning_rate=1e-3, lora_dropout=0, save_steps=100)
 
@@ -60,3 +60,29 @@ def test_token_budget_batches(tiny_model_dir, chat_jsonl, tmp_path, capsys):
     # 39-43-token samples, 264-token budget: 6 padded rows per micro-batch, 4 micro-batches.
     assert "4 micro-batches per epoch" in printed
     assert logged(out, "step")[-1] == 4
+
+
+def test_second_run_reuses_the_tokenized_cache(tiny_model_dir, chat_jsonl, tmp_path, capsys):
+    flags = dict(STEPS, max_steps=1, max_length=100)
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "a", **flags)) == 0
+    first = capsys.readouterr().out
+    assert "tokenized data in" in first and "cached at" in first
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "b", **flags)) == 0
+    second = capsys.readouterr().out
+    assert "tokenized data loaded from cache" in second
+    assert logged(tmp_path / "b") == logged(tmp_path / "a")
+    # Other content, other entry: one changed row re-tokenizes.
+    rows = chat_jsonl.read_text().splitlines()
+    rows[0] = rows[0].replace("Answer number 0", "Answer zero")
+    chat_jsonl.write_text("\n".join(rows) + "\n")
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "c", **flags)) == 0
+    assert "tokenized data in" in capsys.readouterr().out
+    # An option the encoding depends on does too, and the cache can be bypassed.
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "d", **dict(flags, max_length=90)))
+        == 0
+    )
+    assert "tokenized data in" in capsys.readouterr().out
+    no_cache = dict(flags, load_from_cache_file="false")
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "e", **no_cache)) == 0
+    assert "cache" not in capsys.readouterr().out

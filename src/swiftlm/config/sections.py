@@ -67,6 +67,11 @@ class DataArguments:
         default=False,
     )
     data_seed: int = doc("Seed for sampling, mixing and splitting datasets.", default=42)
+    load_from_cache_file: bool = doc(
+        "Reuse the tokenized dataset cached (Arrow) by an earlier run with the same files, "
+        "tokenizer and data options; false re-tokenizes.",
+        default=True,
+    )
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from swiftlm.config import TrainConfig, save_config
+from swiftlm.data.cache import cache_key, data_cache_root, load_or_encode, sample_lengths
 from swiftlm.data.encode import encode_chat_samples, encode_pretraining
 from swiftlm.data.loading import load_samples, split_samples
 from swiftlm.dist.env import init_distributed, shutdown_distributed
@@ -15,7 +16,13 @@ from swiftlm.dist.heartbeat import Heartbeat
 from swiftlm.dist.strategy import build_strategy
 from swiftlm.errors import ConfigError
 from swiftlm.models.attention import training_attention
-from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
+from swiftlm.models.loader import (
+    load_model,
+    load_tokenizer,
+    pick_device,
+    pick_dtype,
+    resolve_model,
+)
 from swiftlm.monitor.metrics import format_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.train.batching import build_batch_plan, describe_plan
@@ -117,6 +124,52 @@ def encode_samples(cfg: TrainConfig, tokenizer, samples: list[dict], kind: str, 
     return encoded
 
 
+def _data_cache_folder(cfg: TrainConfig, kind: str, tokenizer) -> Path:
+    d = cfg.data
+    options = {
+        "kind": kind,
+        "max_length": d.max_length,
+        "truncation_strategy": d.truncation_strategy,
+        "loss_scope": d.loss_scope,
+        "system": d.system,
+        "skip_bad_rows": d.skip_bad_rows,
+        "data_seed": d.data_seed,
+        "split_dataset_ratio": d.split_dataset_ratio,
+        "placeholders": [cfg.model.model_name, cfg.model.model_author],
+        "val_dataset": d.val_dataset,
+    }
+    key = cache_key([*d.dataset, *d.val_dataset], options, tokenizer)
+    return data_cache_root() / key
+
+
+def prepare_data(cfg: TrainConfig, kind: str, tokenizer, ctx, log) -> tuple:
+    """Encoded (train, validation) samples, from the Arrow cache when an earlier run made them.
+
+    Rank 0 encodes and writes the cache; the other ranks wait, then read it.
+    """
+
+    def encode() -> tuple[dict, list[str]]:
+        lines: list[str] = []
+        train, val = load_splits(cfg, kind, lines.append)
+        return {
+            "train": encode_samples(cfg, tokenizer, train, kind, lines.append),
+            "val": encode_samples(cfg, tokenizer, val, kind, lines.append),
+        }, lines
+
+    if not cfg.data.load_from_cache_file:
+        splits, lines = encode()
+        for line in lines:
+            log(line)
+    else:
+        folder = _data_cache_folder(cfg, kind, tokenizer)
+        splits = load_or_encode(folder, encode, log) if ctx.is_main else None
+        ctx.broadcast_object(None)  # the other ranks wait for rank 0's entry, then read it
+        if not ctx.is_main:
+            splits = load_or_encode(folder, encode, log)
+    # Evaluation slices its samples: a plain list (validation sets are small).
+    return splits["train"], list(splits["val"])
+
+
 def prepare_model(
     cfg: TrainConfig, model_path: str, device: torch.device, compute_dtype: torch.dtype
 ):
@@ -134,10 +187,10 @@ def prepare_model(
     return apply_tuner(model, cfg.tuner)
 
 
-def make_batch_plan(cfg: TrainConfig, train_data: list[dict], dp_size: int):
+def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int):
     t = cfg.train
     return build_batch_plan(
-        [len(s["input_ids"]) for s in train_data],
+        lengths,
         t.per_device_train_batch_size,
         dp_size,
         t.seed,
@@ -179,9 +232,7 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         f"{str(compute_dtype).replace('torch.', '')} compute)"
     )
     tokenizer = load_tokenizer(resolved.path)
-    train, val = load_splits(cfg, kind, log)
-    train_data = encode_samples(cfg, tokenizer, train, kind, log)
-    val_data = encode_samples(cfg, tokenizer, val, kind, log)
+    train_data, val_data = prepare_data(cfg, kind, tokenizer, ctx, log)
     log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
     set_seed(cfg.train.seed)  # the same initial weights on every rank
     model = prepare_model(cfg, resolved.path, device, compute_dtype)
@@ -190,12 +241,13 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.2f}%)"
     )
-    mean_length = sum(len(s["input_ids"]) for s in train_data) / len(train_data)
+    lengths = sample_lengths(train_data)
+    mean_length = sum(lengths) / len(lengths)
     flops = flops_per_token(model, int(mean_length), cfg.train.gradient_checkpointing)
     peak = peak_flops(device, compute_dtype) * ctx.world_size
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
-    batch_plan = make_batch_plan(cfg, train_data, strategy.dp_size)
+    batch_plan = make_batch_plan(cfg, lengths, strategy.dp_size)
     log(describe_plan(batch_plan, cfg.data.max_length))
     job = TrainingJob(
         model=strategy.wrap(model),
