@@ -86,3 +86,39 @@ def test_second_run_reuses_the_tokenized_cache(tiny_model_dir, chat_jsonl, tmp_p
     no_cache = dict(flags, load_from_cache_file="false")
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "e", **no_cache)) == 0
     assert "cache" not in capsys.readouterr().out
+
+
+def test_auto_batch_size_is_chosen_printed_and_saved(tiny_model_dir, chat_jsonl, tmp_path, capsys):
+    out = tmp_path / "auto"
+    flags = dict(STEPS, max_steps=1, per_device_train_batch_size="auto")
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, out, **flags)) == 0
+    printed = capsys.readouterr().out
+    # A tiny model has room for the largest batch the planner allows.
+    assert "--per_device_train_batch_size auto: 64 (planned from" in printed
+    assert "per_device_train_batch_size: 64" in (out / "config.yaml").read_text()
+    assert logged(out, "label_tokens")[0] > 20 * 10  # all 24 samples in the one micro-batch
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_like_eager(tiny_model_dir, chat_jsonl, tmp_path):
+    """Compiled decoder layers give the eager losses (fp32; inductor may fuse differently)."""
+    flags = dict(STEPS, per_device_train_batch_size=4)
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "eager", **flags)) == 0
+    compiled = dict(flags, torch_compile="true")
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "compiled", **compiled)) == 0
+    assert logged(tmp_path / "compiled") == pytest.approx(logged(tmp_path / "eager"), abs=1e-4)
+
+
+def test_an_unreadable_cache_entry_is_rebuilt(tiny_model_dir, chat_jsonl, tmp_path, capsys):
+    import os
+    from pathlib import Path
+
+    flags = dict(STEPS, max_steps=1, max_length=80)
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "a", **flags)) == 0
+    capsys.readouterr()
+    root = Path(os.environ["SWIFTLM_DATA_CACHE"])
+    for arrow in root.rglob("*.arrow"):
+        arrow.write_bytes(b"not arrow")
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "b", **flags)) == 0
+    assert "is unreadable" in capsys.readouterr().out
+    assert logged(tmp_path / "b") == logged(tmp_path / "a")

@@ -209,18 +209,23 @@ def test_resumed_run_equals_uninterrupted(
 
     import swiftlm.train.pipeline as pipeline
 
-    real_loss, calls = pipeline.causal_lm_loss, {"n": 0}
+    real_choice, calls = pipeline.choose_loss_fn, {"n": 0}
 
-    def crashing_loss(model, batch):
-        if calls["n"] == 4 * 2 + crash_at_micro_batch:  # after step 4's checkpoint
-            raise Crash("simulated crash")
-        calls["n"] += 1
-        return real_loss(model, batch)
+    def crashing(*args):
+        real_loss = real_choice(*args)
 
-    monkeypatch.setattr(pipeline, "causal_lm_loss", crashing_loss)
+        def crashing_loss(model, batch):
+            if calls["n"] == 4 * 2 + crash_at_micro_batch:  # after step 4's checkpoint
+                raise Crash("simulated crash")
+            calls["n"] += 1
+            return real_loss(model, batch)
+
+        return crashing_loss
+
+    monkeypatch.setattr(pipeline, "choose_loss_fn", crashing)
     with pytest.raises(Crash):
         sft(tiny_model_dir, chat_jsonl, tmp_path / "resumed", *common)
-    monkeypatch.setattr(pipeline, "causal_lm_loss", real_loss)
+    monkeypatch.setattr(pipeline, "choose_loss_fn", real_choice)
     assert not (tmp_path / "resumed" / "final").exists()
     assert (
         sft(
@@ -376,14 +381,19 @@ def test_half_precision_autocast_trains(tiny_model_dir, chat_jsonl, tmp_path, dt
 def test_nonfinite_loss_policy(tiny_model_dir, chat_jsonl, tmp_path, monkeypatch, capsys):
     import swiftlm.train.pipeline as pipeline
 
-    real_loss, calls = pipeline.causal_lm_loss, {"n": 0}
+    real_choice, calls = pipeline.choose_loss_fn, {"n": 0}
 
-    def nan_on_second_step(model, batch):
-        calls["n"] += 1
-        loss, metrics = real_loss(model, batch)
-        return (loss * float("nan"), metrics) if calls["n"] == 2 else (loss, metrics)
+    def nan_on_second_step(*args):
+        real_loss = real_choice(*args)
 
-    monkeypatch.setattr(pipeline, "causal_lm_loss", nan_on_second_step)
+        def loss_fn(model, batch):
+            calls["n"] += 1
+            loss, metrics = real_loss(model, batch)
+            return (loss * float("nan"), metrics) if calls["n"] == 2 else (loss, metrics)
+
+        return loss_fn
+
+    monkeypatch.setattr(pipeline, "choose_loss_fn", nan_on_second_step)
     common = ["--max_steps", 3, "--per_device_train_batch_size", 4]
     assert sft(tiny_model_dir, chat_jsonl, tmp_path / "err", *common) == 1
     assert "step 2: loss nan" in capsys.readouterr().err

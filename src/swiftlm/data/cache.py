@@ -117,14 +117,19 @@ def load_or_encode(
     """
     if (folder / "meta.json").is_file():
         started = time.perf_counter()
-        splits, meta = _read_entry(folder)
-        for line in meta["log"]:
-            log(line)
-        log(
-            f"tokenized data loaded from cache in {time.perf_counter() - started:.2f} s "
-            f"(encoding took {meta['encode_seconds']:.2f} s): {folder}"
-        )
-        return splits
+        try:
+            splits, meta = _read_entry(folder)
+        except Exception as exc:  # noqa: BLE001 - any unreadable entry is rebuilt, not fatal
+            log(f"tokenized-data cache entry {folder} is unreadable ({exc!r}); re-tokenizing")
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            for line in meta["log"]:
+                log(line)
+            log(
+                f"tokenized data loaded from cache in {time.perf_counter() - started:.2f} s "
+                f"(encoding took {meta['encode_seconds']:.2f} s): {folder}"
+            )
+            return splits
     started = time.perf_counter()
     splits, lines = encode()
     for line in lines:

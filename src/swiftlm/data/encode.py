@@ -11,6 +11,8 @@ rewrites earlier turns (e.g. strips past reasoning) is reported, not silently mi
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from swiftlm.errors import DataError
 from swiftlm.models.templates import end_of_turn_token
 
@@ -46,12 +48,15 @@ def _trim_span_end(text: str, start: int, end: int, end_of_turn: str) -> int:
     return start + len(text[start:end].rstrip())
 
 
-def assistant_char_spans(tokenizer, messages: list[dict], scope: str) -> tuple[str, list]:
+def assistant_char_spans(
+    tokenizer, messages: list[dict], scope: str, end_of_turn: str | None = None
+) -> tuple[str, list]:
     """Render a conversation and return (text, [(start, end) char spans that carry loss])."""
     text = _render(tokenizer, messages, add_generation_prompt=False)
     if scope == "all":
         return text, [(0, len(text))]
-    end_of_turn = end_of_turn_token(tokenizer)
+    if end_of_turn is None:
+        end_of_turn = end_of_turn_token(tokenizer)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -69,15 +74,44 @@ def assistant_char_spans(tokenizer, messages: list[dict], scope: str) -> tuple[s
     return text, spans
 
 
+def _labels(ids: list[int], offsets: list, spans: list[tuple[int, int]]) -> list[int]:
+    """A token's own id where it lies inside a loss span, IGNORE_INDEX elsewhere."""
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    start, end = bounds[:, 0], bounds[:, 1]
+    inside = np.zeros(len(ids), dtype=bool)
+    for s, e in spans:
+        inside |= (s <= start) & (end <= e) & (end > start)
+    return np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
+
+
 def encode_chat(tokenizer, messages: list[dict], scope: str = "assistant") -> dict:
     """Token ids and labels (IGNORE_INDEX outside loss spans) for one conversation."""
     text, spans = assistant_char_spans(tokenizer, messages, scope)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = []
-    for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
-        inside = any(s <= start and end <= e and end > start for s, e in spans)
-        labels.append(token_id if inside else IGNORE_INDEX)
-    return {"input_ids": list(encoded["input_ids"]), "labels": labels}
+    ids = list(encoded["input_ids"])
+    return {"input_ids": ids, "labels": _labels(ids, encoded["offset_mapping"], spans)}
+
+
+# Conversations tokenized per call: the fast tokenizer encodes a batch on all cores.
+TOKENIZE_BATCH = 1024
+
+
+def _encode_chat_batch(tokenizer, samples: list[dict], scope: str, end_of_turn: str) -> list:
+    rendered = []
+    for sample in samples:
+        try:
+            rendered.append(assistant_char_spans(tokenizer, sample["messages"], scope, end_of_turn))
+        except DataError as exc:
+            raise DataError(f"{sample.get('source', 'sample')}: {exc}") from None
+    encoded = tokenizer(
+        [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+    )
+    return [
+        {"input_ids": list(ids), "labels": _labels(ids, offsets, spans)}
+        for ids, offsets, (_, spans) in zip(
+            encoded["input_ids"], encoded["offset_mapping"], rendered, strict=True
+        )
+    ]
 
 
 def truncate(sample: dict, max_length: int, strategy: str, report: TruncationReport) -> dict | None:
@@ -102,15 +136,14 @@ def encode_chat_samples(
 ) -> tuple[list[dict], TruncationReport]:
     """Encode chat samples; over-long ones follow `strategy` and are counted."""
     report = TruncationReport(strategy, max_length)
+    end_of_turn = end_of_turn_token(tokenizer)
     encoded = []
-    for sample in samples:
-        try:
-            item = encode_chat(tokenizer, sample["messages"], scope)
-        except DataError as exc:
-            raise DataError(f"{sample.get('source', 'sample')}: {exc}") from None
-        item = truncate(item, max_length, strategy, report)
-        if item is not None:
-            encoded.append(item)
+    for start in range(0, len(samples), TOKENIZE_BATCH):
+        batch = samples[start : start + TOKENIZE_BATCH]
+        for item in _encode_chat_batch(tokenizer, batch, scope, end_of_turn):
+            item = truncate(item, max_length, strategy, report)
+            if item is not None:
+                encoded.append(item)
     if not encoded:
         raise DataError(
             f"no sample fits --max_length {max_length} with --truncation_strategy {strategy}; "

@@ -43,7 +43,8 @@ def load_deepspeed_config(spec: str) -> dict:
 def fill_auto(config: dict, train: TrainArguments, compute_dtype: torch.dtype) -> dict:
     """Replace DeepSpeed `"auto"` values with the swiftlm settings they mirror."""
     values = {
-        "train_micro_batch_size_per_gpu": train.per_device_train_batch_size,
+        # `auto` (0) is resolved after the engine is configured; DeepSpeed only logs this.
+        "train_micro_batch_size_per_gpu": max(1, train.per_device_train_batch_size),
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "gradient_clipping": train.max_grad_norm,
     }

@@ -25,7 +25,9 @@ from swiftlm.models.loader import (
 )
 from swiftlm.monitor.metrics import format_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
+from swiftlm.train.autobatch import auto_batch_size
 from swiftlm.train.batching import build_batch_plan, describe_plan
+from swiftlm.train.fused_ce import fused_causal_lm_loss, install_fused_lm_head
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.losses import causal_lm_loss
 from swiftlm.tuners.setup import apply_tuner, count_parameters
@@ -124,6 +126,25 @@ def encode_samples(cfg: TrainConfig, tokenizer, samples: list[dict], kind: str, 
     return encoded
 
 
+def compile_decoder_layers(model) -> int:
+    """torch.compile each decoder layer in place: parameter names and state dicts stay as
+    they are (checkpoints, adapters and FSDP wrapping see the usual modules), and the one
+    compiled graph is reused by every layer of the same shape."""
+    import shutil
+
+    if not torch.cuda.is_available() and not (shutil.which("g++") or shutil.which("c++")):
+        raise ConfigError(
+            "--torch_compile on CPU needs a C++ compiler (g++) for torch.compile's inductor; "
+            "install one (e.g. apt install g++) or drop --torch_compile"
+        )
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ConfigError("--torch_compile: this model has no decoder `layers` to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def _data_cache_folder(cfg: TrainConfig, kind: str, tokenizer) -> Path:
     d = cfg.data
     options = {
@@ -184,7 +205,10 @@ def prepare_model(
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return apply_tuner(model, cfg.tuner)
+    model = apply_tuner(model, cfg.tuner)
+    if cfg.train.torch_compile:
+        compile_decoder_layers(model)
+    return model
 
 
 def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int):
@@ -197,6 +221,49 @@ def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int):
         pack_to=cfg.data.max_length if t.packing else 0,
         max_tokens=t.max_tokens_per_batch,
         padding_free=t.padding_free,
+    )
+
+
+def choose_loss_fn(cfg: TrainConfig, model, log):
+    """The fused chunked LM-head loss when asked for and the model's head allows it."""
+    if not cfg.train.fused_cross_entropy:
+        return causal_lm_loss
+    if install_fused_lm_head(model):
+        return fused_causal_lm_loss
+    log("--fused_cross_entropy: the output layer is not a plain Linear; using the plain loss")
+    return causal_lm_loss
+
+
+def _previous_batch_size(run_dir: Path) -> int:
+    """The batch size a resumed run chose before (0: unknown)."""
+    import yaml
+
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return 0
+    train = (yaml.safe_load(saved.read_text()) or {}).get("train", {})
+    return int(train.get("per_device_train_batch_size") or 0)
+
+
+def resolve_auto_batch(cfg: TrainConfig, model, loss_fn, placement, ctx, log) -> TrainConfig:
+    """Replace `--per_device_train_batch_size auto` by a number (rank 0's, for all ranks).
+
+    A resumed run keeps the size it chose first: the data order depends on it."""
+    size = (
+        _previous_batch_size(Path(cfg.output.output_dir))
+        if cfg.output.resume_from_checkpoint
+        else 0
+    )
+    how = "as chosen when this run started"
+    if not size and ctx.is_main:
+        device, dtype = placement
+        size, how = auto_batch_size(
+            model, loss_fn, cfg.data.max_length, device, dtype, cfg.train.gradient_checkpointing
+        )
+    size, how = ctx.broadcast_object((size, how))
+    log(f"--per_device_train_batch_size auto: {size} ({how})")
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, per_device_train_batch_size=size)
     )
 
 
@@ -241,6 +308,9 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.2f}%)"
     )
+    loss_fn = choose_loss_fn(cfg, model, log)
+    if cfg.train.per_device_train_batch_size == 0:
+        cfg = resolve_auto_batch(cfg, model, loss_fn, (device, compute_dtype), ctx, log)
     lengths = sample_lengths(train_data)
     mean_length = sum(lengths) / len(lengths)
     flops = flops_per_token(model, int(mean_length), cfg.train.gradient_checkpointing)
@@ -252,7 +322,7 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
     job = TrainingJob(
         model=strategy.wrap(model),
         tokenizer=tokenizer,
-        loss_fn=causal_lm_loss,
+        loss_fn=loss_fn,
         train_data=train_data,
         val_data=val_data,
         device=device,
