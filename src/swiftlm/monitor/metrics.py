@@ -98,6 +98,14 @@ class Throughput:
         self.start, self.tokens = time.perf_counter(), 0
 
 
+def _format_value(key: str, value) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    if key.endswith(("per_second", "_s")):
+        return f"{value:.1f}"
+    return f"{value:.4f}"
+
+
 def format_summary(summary: dict) -> str:
     """The end-of-run block."""
     lines = ["", "Run summary"]
@@ -105,6 +113,7 @@ def format_summary(summary: dict) -> str:
         "steps": "optimizer steps",
         "train_time_s": "train time (s)",
         "tokens_per_second": "tokens/s",
+        "label_tokens_per_second": "label tokens/s",
         "mfu": "MFU",
         "peak_memory_gib": "peak memory (GiB)",
         "final_train_loss": "final train loss",
@@ -115,6 +124,6 @@ def format_summary(summary: dict) -> str:
         value = summary.get(key)
         if value is None:
             continue
-        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        text = _format_value(key, value)
         lines.append(f"  {label:<20} {text}")
     return "\n".join(lines)

@@ -70,6 +70,7 @@ class LoopState:
     step: int = 0
     position: DataPosition = field(default_factory=DataPosition)
     tokens_seen: int = 0
+    label_tokens_seen: int = 0
     train_seconds: float = 0.0
     last_loss: float | None = None
     last_eval_loss: float | None = None
@@ -81,6 +82,7 @@ class LoopState:
             "epoch": self.position.epoch,
             "micro_batch": self.position.micro_batch,
             "tokens_seen": self.tokens_seen,
+            "label_tokens_seen": self.label_tokens_seen,
             "train_seconds": self.train_seconds,
             "last_loss": self.last_loss,
             "last_eval_loss": self.last_eval_loss,
@@ -257,6 +259,7 @@ def _resume(job: TrainingJob, optimizer, scheduler, precision: Precision) -> Loo
         step=saved["step"],
         position=DataPosition(saved["epoch"], saved["micro_batch"]),
         tokens_seen=saved["tokens_seen"],
+        label_tokens_seen=saved.get("label_tokens_seen", 0),
         train_seconds=saved["train_seconds"],
         last_loss=saved["last_loss"],
         last_eval_loss=saved["last_eval_loss"],
@@ -357,6 +360,7 @@ def run_training(job: TrainingJob) -> dict:
             grad_norm = clip_and_step(job, optimizer, scheduler, precision, loss, state)
             state.step, state.position = state.step + 1, next_position
             state.tokens_seen += input_tokens
+            state.label_tokens_seen += label_tokens
             state.last_loss = loss
             window.add(loss, label_tokens, input_tokens)
             progress.update(loss, lr, window.throughput.rate())
@@ -388,11 +392,13 @@ def run_training(job: TrainingJob) -> dict:
     finally:
         progress.close()
         metrics.close()
+    seconds = max(state.train_seconds, 1e-9)
     return {
         "steps": state.step,
         "train_time_s": state.train_seconds,
-        "tokens_per_second": state.tokens_seen / max(state.train_seconds, 1e-9),
-        **mfu_metric(job, state.tokens_seen / max(state.train_seconds, 1e-9)),
+        "tokens_per_second": state.tokens_seen / seconds,
+        "label_tokens_per_second": state.label_tokens_seen / seconds,
+        **mfu_metric(job, state.tokens_seen / seconds),
         "peak_memory_gib": peak_memory_gib(job.device),
         "final_train_loss": state.last_loss,
         "final_eval_loss": state.last_eval_loss,
