@@ -54,12 +54,17 @@ def test_packing_fills_rows_and_trains(tiny_model_dir, chat_jsonl, tmp_path, cap
 def test_token_budget_batches(tiny_model_dir, chat_jsonl, tmp_path, capsys):
     out = tmp_path / "budget"
     flags = dict(STEPS, max_tokens_per_batch=264, max_length=128, num_train_epochs=1)
+    flags["padding_free"] = "false"
     flags["max_steps"] = -1
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, out, **flags)) == 0
     printed = capsys.readouterr().out
     # 39-43-token samples, 264-token budget: 6 padded rows per micro-batch, 4 micro-batches.
     assert "4 micro-batches per epoch" in printed
     assert logged(out, "step")[-1] == 4
+    # Padding-free, the budget counts real tokens only: 6 samples of 39-43 still fit.
+    flags["padding_free"] = "true"
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tmp_path / "flat", **flags)) == 0
+    assert "4 micro-batches per epoch, padding 0.0%" in capsys.readouterr().out
 
 
 def test_second_run_reuses_the_tokenized_cache(tiny_model_dir, chat_jsonl, tmp_path, capsys):

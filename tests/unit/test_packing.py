@@ -104,3 +104,19 @@ def test_packed_layout():
 def test_segment_bounds_of_unpacked_rows():
     positions = torch.arange(6).repeat(2, 1)
     assert segment_bounds(positions) == [[(0, 6)], [(0, 6)]]
+
+
+def test_training_attention_choice():
+    from types import SimpleNamespace
+
+    from swiftlm.models.attention import training_attention
+
+    cpu = torch.device("cpu")
+    assert training_attention("sdpa", cpu, packed=False) == "sdpa"
+    assert training_attention("sdpa", cpu, packed=True) == VARLEN
+    assert training_attention("eager", cpu, packed=True) == "eager"
+    windowed = SimpleNamespace(sliding_window=256, use_sliding_window=True)
+    assert training_attention("sdpa", cpu, True, windowed, max_length=512) == "sdpa"
+    assert training_attention("sdpa", cpu, True, windowed, max_length=256) == VARLEN
+    off = SimpleNamespace(sliding_window=256, use_sliding_window=False)
+    assert training_attention("sdpa", cpu, True, off, max_length=512) == VARLEN

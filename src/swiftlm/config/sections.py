@@ -125,10 +125,11 @@ class TrainArguments:
         "Attention and positions restart per sample, so losses equal unpacked training.",
         default=False,
     )
-    padding_free: bool = doc(
+    padding_free: bool | None = doc(
         "Concatenate each micro-batch into one row without padding (samples stay separate, "
-        "as with --packing).",
-        default=False,
+        "as with --packing). Unset: on where it is faster (CPUs; CUDA with flash-attn), off "
+        "with --packing or --pipeline_parallel_size.",
+        default=None,
     )
     max_tokens_per_batch: int = doc(
         "Token budget per micro-batch: micro-batches are filled from length-sorted buckets up "

@@ -73,9 +73,20 @@ def flash_attention_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
-def training_attention(requested: str, device: torch.device, packed: bool) -> str:
-    """The attention implementation to train with: packed rows get a varlen kernel."""
-    if not packed or requested != "sdpa":
+def _windowed(config, max_length: int) -> bool:
+    """Sliding-window attention that a --max_length row can exceed (Mistral-style)."""
+    window = getattr(config, "sliding_window", None)
+    return bool(window) and getattr(config, "use_sliding_window", True) and window < max_length
+
+
+def training_attention(
+    requested: str, device: torch.device, packed: bool, config=None, max_length: int = 0
+) -> str:
+    """The attention implementation to train with: packed rows get a varlen kernel.
+
+    Models whose sliding window is shorter than a row keep SDPA with transformers' packed
+    mask, which applies the window; the per-sample kernel here would not."""
+    if not packed or requested != "sdpa" or _windowed(config, max_length):
         return requested
     if flash_attention_available(device):
         return "flash_attention_2"

@@ -15,7 +15,7 @@ from swiftlm.dist.env import init_distributed, shutdown_distributed
 from swiftlm.dist.heartbeat import Heartbeat
 from swiftlm.dist.strategy import build_strategy
 from swiftlm.errors import ConfigError
-from swiftlm.models.attention import training_attention
+from swiftlm.models.attention import flash_attention_available, training_attention
 from swiftlm.models.loader import (
     load_model,
     load_tokenizer,
@@ -199,8 +199,11 @@ def prepare_model(
     # (peft keeps adapters in float32) so small updates are not lost to rounding.
     full = cfg.tuner.train_type == "full"
     weight_dtype = torch.float32 if full or compute_dtype == torch.float16 else compute_dtype
+    from transformers import AutoConfig
+
     packed = cfg.train.packing or cfg.train.padding_free
-    attention = training_attention(cfg.model.attn_impl, device, packed)
+    config = AutoConfig.from_pretrained(model_path)
+    attention = training_attention(cfg.model.attn_impl, device, packed, config, cfg.data.max_length)
     model = load_model(model_path, weight_dtype, device, attention)
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
@@ -267,6 +270,21 @@ def resolve_auto_batch(cfg: TrainConfig, model, loss_fn, placement, ctx, log) ->
     )
 
 
+def resolve_padding_free(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """Unset --padding_free: on where dropping padding is a pure gain.
+
+    On CPUs every padding token costs as much as a real one, and per-sample attention is as
+    fast as batched; on CUDA that holds with flash-attn's varlen kernel, while without it
+    per-sample SDPA calls (one host sync per layer) can cost more than the padding saves.
+    Packed rows are already full, and pipeline stages need fixed shapes.
+    """
+    if cfg.train.padding_free is not None:
+        return cfg
+    fixed_shapes = cfg.train.packing or cfg.dist.pipeline_parallel_size > 1
+    on = not fixed_shapes and (device.type == "cpu" or flash_attention_available(device))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, padding_free=on))
+
+
 def _silent(_: str) -> None:
     """Logging on ranks other than 0."""
 
@@ -293,6 +311,7 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
     run_dir = Path(cfg.output.output_dir)
     device = pick_device(cfg.model.device, ctx.local_rank)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
+    cfg = resolve_padding_free(cfg, device)
     strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train, cfg.data.max_length)
     log(
         f"model {resolved.requested} on {device} x {ctx.world_size} ({type(strategy).__name__}, "
