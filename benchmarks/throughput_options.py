@@ -24,11 +24,13 @@ SWIFTLM = [sys.executable, "-m", "swiftlm", "sft"]
 
 # name -> extra flags. The first is the baseline the ratios divide by.
 VARIANTS = {
-    "padded, plain CE": ["--fused_cross_entropy", "false"],
-    "padded, fused CE": [],
-    "padding-free, fused CE": ["--padding_free", "true"],
+    "padded, plain CE": ["--padding_free", "false", "--fused_cross_entropy", "false"],
+    "padded, fused CE": ["--padding_free", "false"],
+    "padding-free, fused CE (default)": [],
     "packing, fused CE": ["--packing", "true"],
-    "token budget 2048, fused CE": ["--max_tokens_per_batch", "2048"],
+    "token budget 2048, padding-free": ["--max_tokens_per_batch", "2048"],
+    "default in float32": ["--torch_dtype", "float32"],
+    "default + torch_compile": ["--torch_compile", "true"],
 }
 
 

@@ -44,7 +44,9 @@ def with_default_recipe(name: str, argv: list[str]) -> list[str]:
 
 def _quiet_libraries() -> None:
     """Keep the terminal for swiftlm's own output; library warnings stay available at DEBUG."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Set explicitly, which also silences the library's fork warning. swiftlm tokenizes before
+    # anything forks (torchrun starts its workers first), so batch encoding may use all cores.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

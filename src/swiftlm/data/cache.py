@@ -9,7 +9,8 @@ the run re-tokenizes into a new entry. Hub datasets are keyed by name only: pass
 `--load_from_cache_file false` after the hub copy changes.
 
 Entries are written to a temporary folder and renamed into place, so an interrupted run never
-leaves a half-written entry behind. Training reads the Arrow file memory-mapped.
+leaves a half-written entry behind. Each split is one Arrow IPC file, read memory-mapped with
+pyarrow: a row is decoded when a batch needs it, and the `datasets` import is not paid.
 """
 
 import hashlib
@@ -17,13 +18,13 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from swiftlm.data.sources import BUILTIN_DATASETS, builtin_dataset_path, parse_dataset_spec
 
 # Bump when the encoding itself changes (masking rules, truncation), so old entries are unused.
-ENCODING_VERSION = 2
+ENCODING_VERSION = 3
 COLUMNS = ("input_ids", "labels")
 
 
@@ -73,20 +74,55 @@ def cache_key(specs: list[str], options: dict, tokenizer) -> str:
     return digest.hexdigest()[:32]
 
 
-def _to_dataset(samples: list[dict]):
-    from datasets import Dataset
+class ArrowSamples(Sequence):
+    """Encoded samples read from a memory-mapped Arrow file: `samples[i]` is a dict of lists,
+    like the in-memory list it replaces, and only the rows asked for are decoded."""
 
-    columns = {name: [s[name] for s in samples] for name in COLUMNS}
-    columns["length"] = [len(s["input_ids"]) for s in samples]
-    return Dataset.from_dict(columns)
+    def __init__(self, table):
+        self.table = table
+        self._columns = {name: table.column(name) for name in (*COLUMNS, "length")}
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, index: int) -> dict:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return {name: self._columns[name][index].as_py() for name in COLUMNS}
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._columns["length"].to_pylist()
+
+
+def _write_arrow(path: Path, samples: list[dict]) -> None:
+    import pyarrow as pa
+
+    table = pa.table(
+        {
+            **{
+                name: pa.array([s[name] for s in samples], type=pa.list_(pa.int32()))
+                for name in COLUMNS
+            },
+            "length": pa.array([len(s["input_ids"]) for s in samples], type=pa.int32()),
+        }
+    )
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+def _read_arrow(path: Path) -> ArrowSamples:
+    import pyarrow as pa
+
+    return ArrowSamples(pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all())
 
 
 def _write_entry(folder: Path, splits: dict[str, list[dict]], meta: dict) -> None:
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     for name, samples in splits.items():
-        if samples:  # datasets cannot read back an empty saved dataset
-            _to_dataset(samples).save_to_disk(str(partial / name))
+        _write_arrow(partial / f"{name}.arrow", samples)
     (partial / "meta.json").write_text(json.dumps(meta, indent=2))
     try:
         partial.rename(folder)
@@ -95,13 +131,8 @@ def _write_entry(folder: Path, splits: dict[str, list[dict]], meta: dict) -> Non
 
 
 def _read_entry(folder: Path) -> tuple[dict, dict]:
-    from datasets import load_from_disk
-
     meta = json.loads((folder / "meta.json").read_text())
-    splits = {
-        name: load_from_disk(str(folder / name)) if (folder / name).is_dir() else []
-        for name in meta["splits"]
-    }
+    splits = {name: _read_arrow(folder / f"{name}.arrow") for name in meta["splits"]}
     return splits, meta
 
 
@@ -143,7 +174,7 @@ def load_or_encode(
 
 
 def sample_lengths(samples) -> list[int]:
-    """Token lengths of encoded samples: a cached dataset's column, or counted from a list."""
-    if hasattr(samples, "column_names") and "length" in samples.column_names:
-        return list(samples["length"])
+    """Token lengths of encoded samples: a cached file's column, or counted from a list."""
+    if isinstance(samples, ArrowSamples):
+        return samples.lengths
     return [len(s["input_ids"]) for s in samples]

@@ -17,7 +17,7 @@ list of rows and a row is a list of sample indices (one sample unless packed).
 import bisect
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,6 +71,7 @@ class BatchPlan:
     packs: tuple[tuple[int, ...], ...] | None = None  # rows of --packing
     max_tokens: int = 0  # token budget per rank micro-batch (0: fixed size)
     padding_free: bool = False  # a micro-batch is one flat row: its cost is its token count
+    _last_epoch: list = field(default_factory=lambda: [None, None], compare=False, repr=False)
 
     @property
     def rows(self) -> list[Row]:
@@ -82,6 +83,13 @@ class BatchPlan:
         return sum(self.lengths[i] for i in row)
 
     def epoch_batches(self, epoch: int) -> list[GlobalBatch]:
+        # Planning an epoch takes tens of milliseconds on big datasets and the loop asks for
+        # the same epoch several times (step count, log line, iteration): remember the last.
+        if self._last_epoch[0] != epoch:
+            self._last_epoch[:] = [epoch, self._plan_epoch(epoch)]
+        return self._last_epoch[1]
+
+    def _plan_epoch(self, epoch: int) -> list[GlobalBatch]:
         rows = self.rows
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         order = torch.randperm(len(rows), generator=generator).tolist()
