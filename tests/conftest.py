@@ -58,7 +58,8 @@ def build_tokenizer(out_dir: Path, chat_template: str | None = CHATML):
     return tokenizer
 
 
-def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, tie: bool = False):
+def make_tiny_llama(vocab_size: int, seed: int = 0, tie: bool = False):
+    """A seeded 2-layer Llama (hidden 64, GQA 4/2 heads) in memory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -79,7 +80,11 @@ def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, tie: bool = 
         # LoRA run to show a clear loss drop in a few steps.
         initializer_range=0.1,
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, tie: bool = False):
+    model = make_tiny_llama(vocab_size, seed, tie)
     model.save_pretrained(out_dir)
     return model
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.conftest import make_tiny_llama
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -190,22 +191,7 @@ VOCAB, SEQ = 400, 12
 
 
 def tiny_llama(tie=False, seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        pad_token_id=0,
-        initializer_range=0.1,
-    )
-    return LlamaForCausalLM(config)
+    return make_tiny_llama(VOCAB, seed, tie)
 
 
 def lora(model, target_modules=("q_proj", "v_proj")):
