@@ -18,6 +18,11 @@ COMMANDS = {
         "swiftlm.infer.run",
         "Chat with a model, or answer a dataset in batch.",
     ),
+    "export": (
+        "ExportConfig",
+        "swiftlm.export.run",
+        "Write a model for serving elsewhere (--merge_lora: adapters merged into the weights).",
+    ),
 }
 
 

@@ -6,6 +6,7 @@ from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
     DataArguments,
     DistArguments,
+    ExportArguments,
     GenerationArguments,
     InferArguments,
     ModelArguments,
@@ -37,9 +38,21 @@ class InferConfig:
     infer: InferArguments = field(default_factory=InferArguments)
 
 
+@dataclass
+class ExportConfig:
+    """`swiftlm export`: a model (or run) to load and what to write."""
+
+    model: ModelArguments = field(default_factory=ModelArguments)
+    data: DataArguments = field(default_factory=DataArguments)
+    infer: InferArguments = field(default_factory=InferArguments)
+    export: ExportArguments = field(default_factory=ExportArguments)
+
+
 __all__ = [
     "DataArguments",
     "DistArguments",
+    "ExportArguments",
+    "ExportConfig",
     "GenerationArguments",
     "InferArguments",
     "InferConfig",

@@ -269,3 +269,14 @@ class DistArguments:
         "FSDP2: write sharded checkpoints in the background while training continues.",
         default=False,
     )
+
+
+@dataclass
+class ExportArguments:
+    output_dir: str | None = doc("Folder to write the exported model to (required).", default=None)
+    merge_lora: bool = doc(
+        "Merge the LoRA/DoRA adapters into the base weights and save a full Hugging Face "
+        "folder (safetensors, tokenizer and chat template included).",
+        default=False,
+    )
+    max_shard_size: str = doc("Largest safetensors shard, e.g. 5GB or 500MB.", default="5GB")

@@ -1,0 +1,56 @@
+"""`swiftlm export --merge_lora`: a full model folder whose logits equal base + adapter."""
+
+import pytest
+import torch
+from tests.conftest import tiny_sft
+
+from swiftlm.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, tmp_path_factory):
+    from tests.conftest import CHAT_ROWS, write_jsonl
+
+    root = tmp_path_factory.mktemp("lora-run")
+    data = write_jsonl(root / "chat.jsonl", CHAT_ROWS)
+    # A high learning rate so the adapter moves the logits far from the base model's.
+    flags = dict(max_steps=6, learning_rate=5e-2, lora_dropout=0, save_steps=100)
+    assert main(tiny_sft(tiny_model_dir, data, root / "run", **flags)) == 0
+    return root / "run"
+
+
+def _logits(folder, tokenizer_dir, adapter=None):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    ids = tokenizer("Question number 3?", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_merged_model_reproduces_base_plus_adapter(lora_run, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "merged"
+    argv = ["export", "--ckpt_dir", str(lora_run), "--merge_lora", "true"]
+    assert main([*argv, "--output_dir", str(out), "--max_shard_size", "200KB"]) == 0
+    printed = capsys.readouterr().out
+    assert "merged max |diff|" in printed and "saved folder read back" in printed
+    # Sharded as asked, with the tokenizer and its chat template, and no adapter files.
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    assert (out / "tokenizer.json").is_file() and not (out / "adapter_config.json").exists()
+    merged = _logits(out, out)
+    expected = _logits(tiny_model_dir, tiny_model_dir, adapter=lora_run / "final")
+    base = _logits(tiny_model_dir, tiny_model_dir)
+    assert (merged - expected).abs().max() < 1e-4
+    assert (expected - base).abs().max() > 1e-2  # the adapter changed something to check
+
+
+def test_export_errors_name_the_fix(lora_run, tiny_model_dir, tmp_path, capsys):
+    assert main(["export", "--ckpt_dir", str(lora_run), "--output_dir", str(tmp_path / "a")]) == 2
+    assert "pass --merge_lora" in capsys.readouterr().err
+    argv = ["export", "--model", str(tiny_model_dir), "--merge_lora", "true"]
+    assert main([*argv, "--output_dir", str(tmp_path / "b")]) == 2
+    assert "--merge_lora needs adapters" in capsys.readouterr().err
