@@ -11,6 +11,7 @@ from swiftlm.config.sections import (
     InferArguments,
     ModelArguments,
     OutputArguments,
+    QuantArguments,
     TrainArguments,
     TunerArguments,
 )
@@ -23,6 +24,7 @@ class TrainConfig:
     model: ModelArguments = field(default_factory=ModelArguments)
     data: DataArguments = field(default_factory=DataArguments)
     tuner: TunerArguments = field(default_factory=TunerArguments)
+    quant: QuantArguments = field(default_factory=QuantArguments)
     train: TrainArguments = field(default_factory=TrainArguments)
     output: OutputArguments = field(default_factory=OutputArguments)
     dist: DistArguments = field(default_factory=DistArguments)
@@ -46,6 +48,7 @@ class ExportConfig:
     data: DataArguments = field(default_factory=DataArguments)
     infer: InferArguments = field(default_factory=InferArguments)
     export: ExportArguments = field(default_factory=ExportArguments)
+    quant: QuantArguments = field(default_factory=QuantArguments)
 
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "InferConfig",
     "ModelArguments",
     "OutputArguments",
+    "QuantArguments",
     "TrainArguments",
     "TrainConfig",
     "TunerArguments",

@@ -272,11 +272,59 @@ class DistArguments:
 
 
 @dataclass
+class QuantArguments:
+    quant_method: Literal["bnb", "int8", "int4", "gptq", "awq"] | None = doc(
+        "Weight quantization. Training (sft/pt): bnb loads the frozen base in 4 or 8 bits "
+        "(QLoRA). Export: bnb (bitsandbytes 4/8-bit), int8 (torchao int8 weight-only), "
+        "int4 (torchao int4 weight-only), gptq or awq (calibrated on --dataset; CUDA).",
+        default=None,
+    )
+    quant_bits: int | None = doc(
+        "Bits per weight for --quant_method: 4 or 8 (bnb, gptq); int8 implies 8, int4 and "
+        "awq imply 4.",
+        default=None,
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = doc(
+        "4-bit bitsandbytes data type: NF4 (QLoRA's) or FP4.", default="nf4"
+    )
+    bnb_4bit_use_double_quant: bool = doc(
+        "Quantize the 4-bit quantization constants too (QLoRA's double quantization).",
+        default=True,
+    )
+    group_size: int = doc(
+        "Weights sharing one scale in int4/gptq/awq quantization (torchao int4 and AWQ: 32, "
+        "64 or 128).",
+        default=128,
+    )
+    quant_n_samples: int = doc(
+        "Calibration samples taken from --dataset for gptq/awq.", default=128
+    )
+
+
+@dataclass
 class ExportArguments:
     output_dir: str | None = doc("Folder to write the exported model to (required).", default=None)
     merge_lora: bool = doc(
         "Merge the LoRA/DoRA adapters into the base weights and save a full Hugging Face "
-        "folder (safetensors, tokenizer and chat template included).",
+        "folder (safetensors, tokenizer and chat template included). The other formats merge "
+        "adapters first on their own.",
         default=False,
     )
     max_shard_size: str = doc("Largest safetensors shard, e.g. 5GB or 500MB.", default="5GB")
+    to_gguf: bool = doc(
+        "Write one GGUF file for llama.cpp and Ollama (tokenizer and chat template embedded).",
+        default=False,
+    )
+    gguf_type: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] = doc(
+        "GGUF tensor type for --to_gguf: f32, f16, bf16, or llama.cpp's block quantizations "
+        "q8_0, q5_0, q5_1, q4_0, q4_1 (norms and biases stay f32).",
+        default="f16",
+    )
+    to_ollama: bool = doc(
+        "Also write an Ollama Modelfile next to the GGUF file (implies --to_gguf).",
+        default=False,
+    )
+    to_onnx: bool = doc(
+        "Export to ONNX through torch's exporter (needs the onnx extra), checked with onnxruntime.",
+        default=False,
+    )

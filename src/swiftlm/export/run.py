@@ -1,124 +1,90 @@
-"""`swiftlm export --merge_lora`: adapters merged into the base weights, saved as a plain
-Hugging Face folder that vLLM, transformers or llama.cpp's converter load without peft.
+"""`swiftlm export`: write a model for serving elsewhere, and check it before returning.
 
-The export checks itself before it returns: on a few fixed prompts, the logits of the merged
-model, and of the folder read back from disk, must equal those of base + adapter (run
-unmerged) elementwise to ATOL + RTOL * |logit| (torch.allclose's rule). Everything runs in
-float32 on the CPU, so the check measures the merge and the files, not bf16 rounding.
+One format per command:
+
+- `--merge_lora`: adapters merged into a full Hugging Face folder (`export/merge.py`);
+- `--to_gguf` (`--to_ollama` adds a Modelfile): one GGUF file (`export/gguf.py`);
+- `--quant_method bnb|int8|int4|gptq|awq`: a quantized Hugging Face folder
+  (`export/quantize.py`);
+- `--to_onnx`: an ONNX model (`export/onnx.py`).
+
+A LoRA run is merged first for every format (`export/source.py`).
 """
 
+import importlib
 from pathlib import Path
 
-import torch
-
 from swiftlm.config import ExportConfig
-from swiftlm.errors import ConfigError, SwiftLMError
-from swiftlm.infer.resolve import resolve_inference_model
-from swiftlm.models.loader import load_model, load_tokenizer
-
-# float32: x @ (W + s B A) and x @ W + s (x A) B round differently, and the difference grows
-# through the layers with the size of the logits (SmolLM2-135M after LoRA: 1.08e-4 measured).
-ATOL, RTOL = 1e-4, 1e-5
-CHECK_PROMPTS = [
-    "Who are you?",
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-]
+from swiftlm.errors import ConfigError
 
 
-class ExportCheckError(SwiftLMError):
-    """The exported model does not reproduce the model it was made from."""
+def chosen_format(cfg: ExportConfig) -> str:
+    """The one output format the flags ask for."""
+    e = cfg.export
+    formats = [
+        name
+        for name, on in (
+            ("gguf", e.to_gguf or e.to_ollama),
+            ("quantized", cfg.quant.quant_method is not None),
+            ("onnx", e.to_onnx),
+        )
+        if on
+    ]
+    if len(formats) > 1:
+        flags = {"gguf": "--to_gguf", "quantized": "--quant_method", "onnx": "--to_onnx"}
+        raise ConfigError(
+            f"{' and '.join(flags[f] for f in formats)} both given: export one format per "
+            "command, each to its own --output_dir"
+        )
+    if formats:
+        return formats[0]
+    if e.merge_lora:
+        return "merged"
+    raise ConfigError(
+        "nothing to export: pass --merge_lora, --to_gguf (--to_ollama), --quant_method "
+        "bnb|int8|int4|gptq|awq, or --to_onnx"
+    )
 
 
-def check_flags(cfg: ExportConfig) -> Path:
+def output_folder(cfg: ExportConfig) -> Path:
     if not cfg.export.output_dir:
         raise ConfigError("--output_dir is required: the folder to write the exported model to")
-    if not cfg.export.merge_lora:
-        raise ConfigError("nothing to export: pass --merge_lora")
     out = Path(cfg.export.output_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--output_dir {out} is not empty; choose a new folder")
     return out
 
 
-def _check_inputs(tokenizer) -> torch.Tensor:
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-        )
-        for p in CHECK_PROMPTS
-    ]
-    return tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+def _export_merged(cfg: ExportConfig, out: Path) -> dict:
+    from swiftlm.export.merge import merge_lora
+    from swiftlm.infer.resolve import resolve_inference_model
 
-
-@torch.no_grad()
-def _logits(model, inputs) -> torch.Tensor:
-    return model(**inputs, use_cache=False).logits.float()
-
-
-def _unmerged(base, adapters: tuple[str, ...]):
-    """Base + adapters as separate LoRA layers: every adapter but the last merged in, the
-    last one kept apart, so the reference really runs the adapter path."""
-    from peft import PeftModel
-
-    from swiftlm.infer.engine import apply_adapters
-
-    base = apply_adapters(base, adapters[:-1])
-    return PeftModel.from_pretrained(base, adapters[-1])
-
-
-def _difference(got: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """(max |diff|, whether every logit is within ATOL + RTOL * |reference|), real tokens only."""
-    keep = mask.bool()
-    got, reference = got[keep], reference[keep]
-    diff = (got - reference).abs()
-    return float(diff.max()), bool((diff <= ATOL + RTOL * reference.abs()).all())
-
-
-def merge_lora(cfg: ExportConfig, out: Path) -> dict:
     spec = resolve_inference_model(cfg)
     if not spec.adapters:
         raise ConfigError(
             "--merge_lora needs adapters: pass a LoRA run with --ckpt_dir, or --adapters "
             "(with --model for their base model)"
         )
-    print(f"Loading {spec.description}", flush=True)
-    tokenizer = load_tokenizer(spec.tokenizer_path)
-    tokenizer.padding_side = "right"
-    inputs = _check_inputs(tokenizer)
-    model = _unmerged(load_model(spec.base_path, torch.float32, torch.device("cpu")), spec.adapters)
-    reference = _logits(model, inputs)
-    merged = model.merge_and_unload()
-    merged_diff, merged_ok = _difference(
-        _logits(merged, inputs), reference, inputs["attention_mask"]
-    )
-    merged.save_pretrained(out, max_shard_size=cfg.export.max_shard_size)
-    tokenizer.save_pretrained(out)
-    reloaded = load_model(str(out), torch.float32, torch.device("cpu"))
-    saved_diff, saved_ok = _difference(
-        _logits(reloaded, inputs), reference, inputs["attention_mask"]
-    )
-    report = {
-        "output": str(out),
-        "shards": len(list(out.glob("*.safetensors"))),
-        "merged_max_abs_diff": merged_diff,
-        "saved_max_abs_diff": saved_diff,
-    }
-    print(
-        f"checked on {len(CHECK_PROMPTS)} prompts (float32 logits vs base + adapter, "
-        f"tolerance {ATOL} + {RTOL} x |logit|): merged max |diff| {merged_diff:.2e}, "
-        f"saved folder read back {saved_diff:.2e}"
-    )
-    if not (merged_ok and saved_ok):
-        raise ExportCheckError(
-            f"the merged model's logits differ from base + adapter by up to "
-            f"{max(merged_diff, saved_diff):.2e}, beyond {ATOL} + {RTOL} x |logit|; "
-            f"{out} is not faithful"
-        )
-    print(f"merged model saved to {out} ({report['shards']} safetensors file(s))")
-    return report
+    return merge_lora(spec, out, cfg.export.max_shard_size)
+
+
+# Each format's module has validate(cfg), run before anything loads, and
+# export(source, out, cfg) -> report, which writes `out` and checks what it wrote.
+FORMAT_MODULES = {
+    "gguf": "swiftlm.export.gguf",
+    "quantized": "swiftlm.export.quantize",
+    "onnx": "swiftlm.export.onnx",
+}
 
 
 def run(cfg: ExportConfig) -> dict:
-    out = check_flags(cfg)
-    return merge_lora(cfg, out)
+    fmt = chosen_format(cfg)
+    out = output_folder(cfg)
+    if fmt == "merged":
+        return _export_merged(cfg, out)
+    module = importlib.import_module(FORMAT_MODULES[fmt])
+    module.validate(cfg)
+    from swiftlm.export.source import export_source
+
+    with export_source(cfg) as source:
+        return module.export(source, out, cfg)
