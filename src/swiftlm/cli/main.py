@@ -58,6 +58,11 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\.")
     hf_logging.disable_progress_bar()
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # transformers imports torchao and peft imports bitsandbytes whenever they are installed,
+    # on every command; their import-time warnings concern kernels a user cannot act on.
+    from swiftlm.models.quant import silence_quantization_noise
+
+    silence_quantization_noise()
 
 
 def main(argv: list[str] | None = None) -> int:

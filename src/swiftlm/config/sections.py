@@ -276,12 +276,13 @@ class QuantArguments:
     quant_method: Literal["bnb", "int8", "int4", "gptq", "awq"] | None = doc(
         "Weight quantization. Training (sft/pt): bnb loads the frozen base in 4 or 8 bits "
         "(QLoRA). Export: bnb (bitsandbytes 4/8-bit), int8 (torchao int8 weight-only), "
-        "int4 (torchao int4 weight-only), gptq or awq (calibrated on --dataset; CUDA).",
+        "int4 (torchao int4 weight-only; on CPU stored one byte per weight), gptq or awq "
+        "(GPT-QModel, calibrated on --dataset; CPU or CUDA).",
         default=None,
     )
     quant_bits: int | None = doc(
-        "Bits per weight for --quant_method: 4 or 8 (bnb, gptq); int8 implies 8, int4 and "
-        "awq imply 4.",
+        "Bits per weight for --quant_method: 4 or 8 (bnb and gptq, default 4); int8 implies 8, "
+        "int4 and awq imply 4.",
         default=None,
     )
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = doc(
@@ -293,7 +294,8 @@ class QuantArguments:
     )
     group_size: int = doc(
         "Weights sharing one scale in int4/gptq/awq quantization (torchao int4 and AWQ: 32, "
-        "64 or 128).",
+        "64 or 128; int4 falls back to the largest of these that divides every layer's width, "
+        "e.g. 64 for SmolLM2's 576).",
         default=128,
     )
     quant_n_samples: int = doc(

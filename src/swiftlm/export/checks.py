@@ -6,6 +6,7 @@ made from on the same inputs, and prints what it compared.
 
 import math
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -72,3 +73,22 @@ def perplexity(model, tokenizer, text: str | None = None, window: int = 512) -> 
         total_nll += float(nll)
         total_tokens += chunk.shape[1] - 1
     return math.exp(total_nll / total_tokens)
+
+
+def folder_bytes(folder: Path) -> int:
+    """Size on disk of everything in `folder` (weights, tokenizer, config)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def quantized_input_widths(model_path: str) -> set[int]:
+    """in_features of the Linear layers weight quantization touches (all but the output
+    head), read from an empty (meta) model, before any weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    return {
+        m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+    }

@@ -165,17 +165,33 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_impl: str = "sdpa"):
-    """Load a causal LM with weights in `dtype` on `device`."""
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_impl: str = "sdpa",
+    quantization=None,
+):
+    """Load a causal LM with weights in `dtype` on `device`.
+
+    `quantization`: a transformers quantization config (e.g. BitsAndBytesConfig); the
+    weights it quantizes are converted while loading, directly on `device`.
+    """
     from transformers import AutoModelForCausalLM
 
+    placement = {}
+    if quantization is not None:
+        # Quantizers convert each weight on the device it loads to (bitsandbytes: the current
+        # CUDA device unless told): name this process's device rather than move a quantized
+        # model afterwards.
+        placement = {"quantization_config": quantization, "device_map": {"": device}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_impl
+            path, dtype=dtype, attn_implementation=attn_impl, **placement
         )
     except OSError as exc:
         raise ModelLoadError(
             f"could not load model {path}: {exc}. Pass a local folder or .gguf file, or make "
             "sure the hub is reachable (HF_HUB_OFFLINE=1 blocks it)"
         ) from exc
-    return model.to(device)
+    return model if quantization is not None else model.to(device)

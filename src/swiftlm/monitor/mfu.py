@@ -32,12 +32,14 @@ PROBE_SIZE = 1024
 
 def linear_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(all, trainable) weights of the matmuls: linear layers and the LM head (tied or not)."""
+    from swiftlm.models.quant import logical_numel  # 4-bit weights pack two per byte
+
     total = trainable = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, torch.nn.Linear) and weight is not None:
-            total += weight.numel()
-            trainable += weight.numel() if weight.requires_grad else 0
+            total += logical_numel(weight)
+            trainable += logical_numel(weight) if weight.requires_grad else 0
     return total, trainable
 
 

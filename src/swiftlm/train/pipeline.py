@@ -23,6 +23,12 @@ from swiftlm.models.loader import (
     pick_dtype,
     resolve_model,
 )
+from swiftlm.models.quant import (
+    bnb_config,
+    describe_bnb,
+    prepare_for_quantized_training,
+    quantized_training_problems,
+)
 from swiftlm.monitor.metrics import format_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.train.autobatch import auto_batch_size
@@ -72,6 +78,7 @@ def check_config(cfg: TrainConfig) -> None:
             "and --split_dataset_ratio",
         ),
     ]
+    problems += quantized_training_problems(cfg)
     for failed, message in problems:
         if failed:
             raise ConfigError(message)
@@ -204,7 +211,11 @@ def prepare_model(
     packed = cfg.train.packing or cfg.train.padding_free
     config = AutoConfig.from_pretrained(model_path)
     attention = training_attention(cfg.model.attn_impl, device, packed, config, cfg.data.max_length)
-    model = load_model(model_path, weight_dtype, device, attention)
+    # QLoRA: the frozen Linear weights load quantized, their matmuls run in the compute dtype.
+    quantization = bnb_config(cfg.quant, compute_dtype) if cfg.quant.quant_method else None
+    model = load_model(model_path, weight_dtype, device, attention, quantization)
+    if quantization is not None:
+        model = prepare_for_quantized_training(model)
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -327,6 +338,8 @@ def run_train_command(cfg: TrainConfig, kind: str, log=print) -> dict:
         f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.2f}%)"
     )
+    if cfg.quant.quant_method:
+        log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
     loss_fn = choose_loss_fn(cfg, model, log)
     if cfg.train.per_device_train_batch_size == 0:
         cfg = resolve_auto_batch(cfg, model, loss_fn, (device, compute_dtype), ctx, log)

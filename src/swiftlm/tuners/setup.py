@@ -2,6 +2,7 @@
 
 from swiftlm.config.sections import TunerArguments
 from swiftlm.errors import ConfigError
+from swiftlm.models.quant import logical_numel
 
 
 def build_lora_config(args: TunerArguments):
@@ -36,12 +37,14 @@ def apply_tuner(model, args: TunerArguments):
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; tied weights counted once."""
+    """(trainable, total) parameter counts; tied weights counted once, 4-bit packed weights
+    as the weights they stand for."""
     seen, trainable, total = set(), 0, 0
     for param in model.parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
-        total += param.numel()
-        trainable += param.numel() if param.requires_grad else 0
+        numel = logical_numel(param)
+        total += numel
+        trainable += numel if param.requires_grad else 0
     return trainable, total

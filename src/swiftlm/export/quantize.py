@@ -1,0 +1,346 @@
+"""`swiftlm export --quant_method bnb|int8|int4|gptq|awq`: a quantized Hugging Face folder that
+`AutoModelForCausalLM.from_pretrained(folder)` loads as it is (the quantization config is
+in its config.json), checked before returning.
+
+- `bnb --quant_bits 4|8`: bitsandbytes NF4/FP4 (double quantization per the flags) or
+  LLM.int8, in safetensors. Runs on CUDA and, with bitsandbytes >= 0.48, on CPUs.
+- `int8`: torchao `Int8WeightOnlyConfig` (one scale per output row), in safetensors.
+- `int4`: torchao weight-only int4 with one scale per `--group_size` weights. What torchao
+  0.18 can both run and save depends on the device the folder is made for (`--device`):
+  - CUDA: `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")`, the tinygemm
+    kernel: two weights per byte, bfloat16 activations, safetensors. (Not run by the tests,
+    which have no GPU.)
+  - CPU: `IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))`:
+    4-bit values and group scales, safetensors, but each value is stored in its own int8
+    byte, so the folder is as large as int8's; what it buys is int4's rounding without a
+    CUDA kernel. torchao's packed CPU formats cannot be saved: the plain `Int4Tensor` needs
+    the CUDA-only `mslk` kernels even to quantize, and `Int4OpaqueTensor` (CPU tinygemm) is
+    not among the tensor types torchao's safetensors support accepts (transformers 5 saves
+    nothing else).
+- `gptq` / `awq`: calibrated on --dataset, by `swiftlm/export/calibrated.py`.
+
+Weights that stay unquantized (embeddings, norms, the output head) are stored in the
+--torch_dtype for the target device: bfloat16 on CUDA and on CPUs with native bf16, else
+float32.
+
+The export checks itself: the folder, read back by transformers from the folder alone, must
+give a non-empty greedy answer to every check prompt, and its perplexity on the held-out text
+(`export/checks.py`) may exceed the float32 source's by at most MAX_PPL_INCREASE.
+"""
+
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swiftlm.config import ExportConfig
+from swiftlm.config.sections import QuantArguments
+from swiftlm.errors import ConfigError
+from swiftlm.export.checks import (
+    CHECK_PROMPTS,
+    folder_bytes,
+    greedy_answers,
+    perplexity,
+    quantized_input_widths,
+)
+from swiftlm.export.merge import ExportCheckError
+from swiftlm.export.source import ExportSource
+from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
+from swiftlm.models.quant import (
+    bnb_bits,
+    bnb_config,
+    describe_bnb,
+    import_bitsandbytes,
+    import_torchao,
+    silence_quantization_noise,
+)
+
+CALIBRATED = ("gptq", "awq")
+# The bits each torchao method stores; --quant_bits may repeat it, not contradict it.
+TORCHAO_BITS = {"int8": 8, "int4": 4}
+# Group sizes that torchao's int4 kernels (tinygemm) take.
+INT4_GROUP_SIZES = (32, 64, 128)
+# How far the folder's held-out perplexity may rise above the float32 source's, by bits.
+# Measured on SmolLM2-135M-Instruct (source 17.93; CPU; unquantized weights in bf16):
+# int8 +0.5%, bnb 8-bit +1.2%; bnb NF4 +47% (+44% without double quantization), FP4 +71%,
+# int4 +67% (group 64) and +57% (group 32). A 135M model loses far more at 4 bits than 7B+
+# ones (a few %), and this one is de-quantized from a Q4_1 GGUF, so 4 bits round it twice.
+# A broken folder is far outside either margin: bnb 4-bit scales saved in the CPU-kernel
+# layout read back at perplexity 3.7 million. The same margins as GPTQ/AWQ (calibrated.py).
+MAX_PPL_INCREASE = {8: 0.10, 4: 1.50}
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What one export writes: the transformers quantization config and how to describe it."""
+
+    method: str
+    bits: int
+    label: str  # for the console, e.g. "bitsandbytes 4-bit nf4, double quantization"
+    device: torch.device
+    dtype: torch.dtype  # of the weights that stay unquantized (and of bnb's 4-bit matmuls)
+    group_size: int | None = None  # int4: weights per scale
+
+
+# ---- flags ----------------------------------------------------------------------------------
+
+
+def validate(cfg: ExportConfig) -> None:
+    """Fail fast, before anything loads, on flags that contradict each other."""
+    q = cfg.quant
+    if q.quant_method in CALIBRATED:
+        _calibrated().validate_calibrated(cfg)
+        return
+    quant_bits(q)
+    _reject_flags_of_other_methods(q)
+    if q.quant_method == "int4" and q.group_size not in INT4_GROUP_SIZES:
+        raise ConfigError(
+            f"--group_size {q.group_size} with --quant_method int4: torchao's int4 kernels "
+            "take --group_size 32, 64 or 128"
+        )
+    device = pick_device(cfg.model.device)
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"--quant_method {q.quant_method} on {device.type}: quantized exports are made for "
+            "CPUs or CUDA GPUs; pass --device cpu or --device cuda"
+        )
+    dtype = pick_dtype(cfg.model.torch_dtype, device)
+    if q.quant_method == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise ConfigError(
+            f"--quant_method int4 on CUDA runs torchao's tinygemm kernel, which takes bfloat16 "
+            f"only; drop --torch_dtype {cfg.model.torch_dtype} (or pass --torch_dtype bfloat16)"
+        )
+    if q.quant_method == "bnb":
+        import_bitsandbytes()
+    else:
+        import_torchao(f"--quant_method {q.quant_method}")
+
+
+def quant_bits(q: QuantArguments) -> int:
+    """The bits of --quant_method; ConfigError when --quant_bits contradicts it."""
+    if q.quant_method == "bnb":
+        return bnb_bits(q)
+    implied = TORCHAO_BITS[q.quant_method]
+    if q.quant_bits not in (None, implied):
+        matching = {8: "int8", 4: "int4"}.get(q.quant_bits)
+        fix = "drop --quant_bits"
+        if matching:
+            fix += f", or use --quant_method {matching}"
+        raise ConfigError(
+            f"--quant_bits {q.quant_bits} contradicts --quant_method {q.quant_method}, which "
+            f"stores {implied}-bit weights; {fix}"
+        )
+    return implied
+
+
+def _reject_flags_of_other_methods(q: QuantArguments) -> None:
+    """A flag the chosen method ignores is a mistake worth naming, not silently dropping."""
+    defaults = QuantArguments()
+    bnb_4bit_flags = [
+        f"--{name} {getattr(q, name)}"
+        for name in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+        if getattr(q, name) != getattr(defaults, name)
+    ]
+    method = f"--quant_method {q.quant_method}"
+    if bnb_4bit_flags and not (q.quant_method == "bnb" and quant_bits(q) == 4):
+        raise ConfigError(
+            f"{' '.join(bnb_4bit_flags)} applies to --quant_method bnb --quant_bits 4 only, "
+            f"not to {method}{'' if q.quant_bits is None else f' --quant_bits {q.quant_bits}'}; "
+            "drop it"
+        )
+    if q.group_size != defaults.group_size and q.quant_method != "int4":
+        raise ConfigError(
+            f"--group_size {q.group_size} applies to --quant_method int4, gptq and awq, not to "
+            f"{method} (whose scales are per block of 64 weights for bnb 4-bit, per row for "
+            "8-bit); drop it"
+        )
+
+
+def _calibrated():
+    """`swiftlm.export.calibrated` (GPTQ/AWQ), imported only when asked for."""
+    from swiftlm.export import calibrated
+
+    return calibrated
+
+
+def plan_export(cfg: ExportConfig, model_path: str) -> QuantPlan:
+    q = cfg.quant
+    device = pick_device(cfg.model.device)
+    dtype = pick_dtype(cfg.model.torch_dtype, device)
+    bits = quant_bits(q)
+    if q.quant_method == "bnb":
+        return QuantPlan("bnb", bits, describe_bnb(q), device, dtype)
+    if q.quant_method == "int8":
+        return QuantPlan("int8", bits, "torchao int8 weight-only (per-row scales)", device, dtype)
+    group_size = int4_group_size(model_path, q.group_size)
+    kernel = "tinygemm" if device.type == "cuda" else "stored as int8"
+    label = f"torchao int4 weight-only ({kernel}, group size {group_size})"
+    return QuantPlan("int4", bits, label, device, dtype, group_size)
+
+
+def int4_group_size(model_path: str, requested: int) -> int:
+    """--group_size, or the largest of INT4_GROUP_SIZES below it that divides the input width
+    of every layer to quantize (torchao refuses partial groups): SmolLM2-135M's 576-wide
+    layers take 64, not the default 128. Read from the empty (meta) model, before any
+    weight loads."""
+    widths = quantized_input_widths(model_path)
+    fitting = [g for g in INT4_GROUP_SIZES if g <= requested and all(w % g == 0 for w in widths)]
+    if not fitting:
+        raise ConfigError(
+            f"--quant_method int4 --group_size {requested}: no group size of "
+            f"{', '.join(map(str, INT4_GROUP_SIZES))} up to it divides this model's layer "
+            f"input widths ({', '.join(map(str, sorted(widths)))}); use --quant_method int8 "
+            "or --quant_method bnb"
+        )
+    if fitting[-1] != requested:
+        print(
+            f"--group_size {requested} does not divide this model's layer input widths "
+            f"({', '.join(map(str, sorted(widths)))}); using {fitting[-1]}"
+        )
+    return fitting[-1]
+
+
+def transformers_quantization(plan: QuantPlan, q: QuantArguments):
+    """The quantization_config that `from_pretrained` applies while loading the source."""
+    if plan.method == "bnb":
+        return bnb_config(q, plan.dtype)
+    from transformers import TorchAoConfig
+
+    ao = import_torchao(f"--quant_method {plan.method}")
+    if plan.method == "int8":
+        return TorchAoConfig(ao.Int8WeightOnlyConfig())
+    if plan.device.type == "cuda":
+        return TorchAoConfig(
+            ao.Int4WeightOnlyConfig(
+                group_size=plan.group_size, int4_packing_format="tile_packed_to_4d"
+            )
+        )
+    return TorchAoConfig(
+        ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=ao.PerGroup(plan.group_size))
+    )
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+
+def export(source: ExportSource, out: Path, cfg: ExportConfig) -> dict:
+    """Quantize `source` into `out`, check the folder read back, and return a report; raise
+    ExportCheckError when the check fails."""
+    if cfg.quant.quant_method in CALIBRATED:
+        return _calibrated().export_calibrated(source, out, cfg)
+    silence_quantization_noise()
+    plan = plan_export(cfg, source.model_path)  # reads the config only: fails fast
+    tokenizer = load_tokenizer(source.tokenizer_path)
+    print(f"Measuring the perplexity of {source.description} (float32, CPU)", flush=True)
+    ppl_source = _source_perplexity(source.model_path, tokenizer)
+    print(f"Quantizing {source.description}: {plan.label}, on {plan.device}", flush=True)
+    started = time.perf_counter()
+    _quantize_and_save(source.model_path, out, plan, cfg.quant)
+    tokenizer.save_pretrained(out)
+    export_seconds = time.perf_counter() - started
+    report = check_folder(out, plan, ppl_source)
+    report.update(export_seconds=export_seconds, bytes=folder_bytes(out))
+    print(
+        f"{plan.label} model saved to {out} ({report['bytes'] / 2**20:.1f} MiB, quantized and "
+        f"saved in {export_seconds:.1f} s)"
+    )
+    return report
+
+
+def _source_perplexity(model_path: str, tokenizer) -> float:
+    model = load_model(model_path, torch.float32, torch.device("cpu")).eval()
+    try:
+        return perplexity(model, tokenizer)
+    finally:
+        del model
+        gc.collect()
+
+
+def _quantize_and_save(model_path: str, out: Path, plan: QuantPlan, q: QuantArguments) -> None:
+    """Load the source quantized on the way in, and save it. Nothing runs the model before
+    it is saved: bitsandbytes (0.50) repacks 4-bit weights for its CPU inference kernel on
+    the first forward pass and does not restore the scales when saving them afterwards."""
+    model = load_model(
+        model_path, plan.dtype, plan.device, quantization=transformers_quantization(plan, q)
+    )
+    try:
+        _require_all_quantized(model, plan)
+        model.save_pretrained(out)
+    finally:
+        del model
+        gc.collect()
+
+
+def _require_all_quantized(model, plan: QuantPlan) -> None:
+    """Every Linear layer but the output head must come out quantized: a quantizer that
+    skips a layer (torchao's CUDA int4 does, for a width that is not a multiple of the group
+    size, and says so at INFO level only) would leave a folder that is not what was asked."""
+    head = model.get_output_embeddings()
+    plain = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and module is not head
+        and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
+    ]
+    if plain:
+        raise ExportCheckError(
+            f"{plan.label} left {len(plain)} linear layers unquantized (e.g. {plain[0]}); "
+            "nothing was written. Try --quant_method int8 or bnb"
+        )
+
+
+# ---- self-check -----------------------------------------------------------------------------
+
+
+def check_folder(out: Path, plan: QuantPlan, ppl_source: float) -> dict:
+    """Load `out` through transformers from the folder alone, require an answer to every check
+    prompt and a perplexity within MAX_PPL_INCREASE of the source's; return the figures."""
+    from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(str(out))
+    model = AutoModelForCausalLM.from_pretrained(out, device_map={"": plan.device}).eval()
+    load_seconds = time.perf_counter() - started
+    answers = greedy_answers(model, tokenizer)
+    ppl = perplexity(model, tokenizer)
+    dtype = str(model.dtype).replace("torch.", "")
+    del model
+    gc.collect()
+    margin = MAX_PPL_INCREASE[plan.bits]
+    change = ppl / ppl_source - 1
+    print(
+        f"checked {out} read back by transformers alone ({dtype}, {plan.device}, loaded in "
+        f"{load_seconds:.1f} s): {sum(bool(a.strip()) for a in answers)}/{len(CHECK_PROMPTS)} "
+        f"check prompts answered; held-out perplexity {ppl:.2f} vs {ppl_source:.2f} for the "
+        f"float32 source ({change:+.1%}, limit +{margin:.0%} at {plan.bits} bits)"
+    )
+    print(f"  {CHECK_PROMPTS[1]!r} -> {answers[1].strip()[:80]!r}")
+    _fail_unless_usable(out, answers, ppl, ppl_source, margin)
+    return {
+        "output": str(out),
+        "method": plan.method,
+        "bits": plan.bits,
+        "quantization": plan.label,
+        "ppl_source": ppl_source,
+        "ppl_quantized": ppl,
+        "load_seconds": load_seconds,
+        "answers": answers,
+    }
+
+
+def _fail_unless_usable(out: Path, answers: list[str], ppl, ppl_source, margin) -> None:
+    empty = [p for p, a in zip(CHECK_PROMPTS, answers, strict=True) if not a.strip()]
+    if empty:
+        raise ExportCheckError(
+            f"the quantized model in {out} gave an empty greedy answer to {empty!r}; "
+            "it is not usable"
+        )
+    if not ppl <= ppl_source * (1 + margin):  # `not <=` also catches a NaN perplexity
+        raise ExportCheckError(
+            f"the quantized model in {out} has a held-out perplexity of {ppl:.2f}, more than "
+            f"{margin:.0%} above the source's {ppl_source:.2f}; try --quant_bits 8, or a "
+            "smaller --group_size for int4"
+        )

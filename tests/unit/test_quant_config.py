@@ -1,0 +1,152 @@
+"""Quantization flags: what QLoRA training and quantized exports accept, and the errors that
+name the fix for what they do not. Nothing here loads a model."""
+
+import logging
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swiftlm.config import ExportConfig, TrainConfig, parse_config
+from swiftlm.errors import ConfigError
+from swiftlm.export.quantize import quant_bits, validate
+from swiftlm.models.quant import (
+    bnb_config,
+    describe_bnb,
+    import_torchao,
+    logical_numel,
+    silence_quantization_noise,
+)
+from swiftlm.train.pipeline import check_config
+
+
+def train_config(*flags) -> TrainConfig:
+    argv = ["--dataset", "data.jsonl", *map(str, flags)]
+    return parse_config(TrainConfig, argv, "swiftlm sft")
+
+
+def export_config(*flags) -> ExportConfig:
+    argv = ["--output_dir", "out", "--device", "cpu", *map(str, flags)]
+    return parse_config(ExportConfig, argv, "swiftlm export")
+
+
+# ---- training -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--quant_method", "bnb"],
+        ["--quant_method", "bnb", "--quant_bits", 4, "--train_type", "dora"],
+        ["--quant_method", "bnb", "--quant_bits", 8],
+        ["--quant_method", "bnb", "--nproc_per_node", 2],  # DDP
+        ["--quant_method", "bnb", "--nproc_per_node", 2, "--fsdp", "fsdp2"],
+        ["--quant_method", "bnb", "--torch_compile", "true", "--gradient_checkpointing", "true"],
+    ],
+)
+def test_qlora_combinations_that_train(flags):
+    check_config(train_config(*flags))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--quant_method", "int8"], "use --quant_method bnb"),
+        (["--quant_method", "gptq"], "`swiftlm export` formats"),
+        (["--quant_method", "bnb", "--quant_bits", 3], "pass --quant_bits 4 or 8"),
+        (["--quant_method", "bnb", "--train_type", "full"], "use --train_type lora or dora"),
+        (["--quant_bits", 4], "add --quant_method bnb"),
+        (["--quant_method", "bnb", "--deepspeed", "zero2"], "cannot be resumed"),
+        (["--quant_method", "bnb", "--tensor_parallel_size", 2], "DTensor shards"),
+        (["--quant_method", "bnb", "--pipeline_parallel_size", 2], "train full weights"),
+    ],
+)
+def test_qlora_errors_name_the_fix(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(train_config(*flags))
+
+
+def test_bnb_config_follows_the_flags():
+    cfg = train_config("--quant_method", "bnb")
+    four = bnb_config(cfg.quant, torch.bfloat16)
+    assert four.load_in_4bit and four.bnb_4bit_quant_type == "nf4"
+    assert four.bnb_4bit_use_double_quant and four.bnb_4bit_compute_dtype == torch.bfloat16
+    assert describe_bnb(cfg.quant) == "bitsandbytes 4-bit nf4, double quantization"
+    flags = ["--quant_method", "bnb", "--bnb_4bit_quant_type", "fp4"]
+    fp4 = train_config(*flags, "--bnb_4bit_use_double_quant", "false").quant
+    assert bnb_config(fp4, torch.float32).bnb_4bit_quant_type == "fp4"
+    assert not bnb_config(fp4, torch.float32).bnb_4bit_use_double_quant
+    eight = train_config("--quant_method", "bnb", "--quant_bits", 8).quant
+    assert bnb_config(eight, torch.float32).load_in_8bit
+    assert describe_bnb(eight) == "bitsandbytes 8-bit (LLM.int8)"
+
+
+def test_missing_libraries_name_the_flag_and_the_install(monkeypatch):
+    # A None entry in sys.modules makes `import` raise ImportError, as if not installed.
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    hint = re.escape("install it with `pip install 'swiftlm[quant]'`")
+    with pytest.raises(ConfigError, match=f"--quant_method bnb needs the `bitsandbytes`.*{hint}"):
+        bnb_config(train_config("--quant_method", "bnb").quant, torch.float32)
+    with pytest.raises(ConfigError, match=f"--quant_method int8 needs the `torchao`.*{hint}"):
+        import_torchao("--quant_method int8")
+
+
+def test_packed_4bit_weights_count_as_the_weights_they_stand_for():
+    packed = torch.zeros(16, 1, dtype=torch.uint8)  # 32 4-bit weights, two per byte
+    packed.quant_state = SimpleNamespace(shape=torch.Size([4, 8]))
+    assert logical_numel(packed) == 32
+    assert logical_numel(torch.zeros(3, 5)) == 15
+
+
+def test_library_noise_is_dropped_and_other_records_kept(caplog):
+    silence_quantization_noise()
+    silence_quantization_noise()  # idempotent: one filter per logger
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        logger.warning("MatMul8bitLt: inputs will be cast from %s to float16", torch.float32)
+        logger.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "bits"),
+    [
+        (["--quant_method", "bnb"], 4),
+        (["--quant_method", "bnb", "--quant_bits", 8], 8),
+        (["--quant_method", "int8"], 8),
+        (["--quant_method", "int8", "--quant_bits", 8], 8),
+        (["--quant_method", "int4", "--group_size", 32], 4),
+    ],
+)
+def test_export_bits_follow_the_method(flags, bits):
+    cfg = export_config(*flags)
+    validate(cfg)
+    assert quant_bits(cfg.quant) == bits
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--quant_method", "int8", "--quant_bits", 4], "use --quant_method int4"),
+        (["--quant_method", "int4", "--quant_bits", 8], "use --quant_method int8"),
+        (["--quant_method", "int4", "--quant_bits", 3], "drop --quant_bits$"),
+        (["--quant_method", "bnb", "--quant_bits", 2], "pass --quant_bits 4 or 8"),
+        (["--quant_method", "int4", "--group_size", 100], "--group_size 32, 64 or 128"),
+        (["--quant_method", "bnb", "--group_size", 64], "applies to --quant_method int4"),
+        (["--quant_method", "int8", "--bnb_4bit_quant_type", "fp4"], "bnb --quant_bits 4 only"),
+        (
+            ["--quant_method", "bnb", "--quant_bits", 8, "--bnb_4bit_use_double_quant", "false"],
+            "not to --quant_method bnb --quant_bits 8",
+        ),
+    ],
+)
+def test_export_flag_errors_name_the_fix(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(export_config(*flags))
