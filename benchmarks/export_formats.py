@@ -4,6 +4,7 @@ perplexity on a held-out text (the README's export table).
     python benchmarks/export_formats.py                       # the packaged default model
     python benchmarks/export_formats.py --ckpt_dir RUN        # a LoRA run (merged first)
     python benchmarks/export_formats.py --only gguf-f16 bnb-4 # some rows
+    python benchmarks/export_formats.py --only gptq-4 awq-4   # needs `pip install swiftlm[gptq]`
 
 Each export runs as `swiftlm export` in its own process; each artifact is then loaded and
 measured in a fresh process with the loader a user would use (transformers for Hugging Face
@@ -35,7 +36,12 @@ FORMATS = {
     "torchao-int8": ["--quant_method", "int8"],
     "torchao-int4": ["--quant_method", "int4"],
     "onnx": ["--to_onnx", "true"],
+    # GPT-QModel (the optional `gptq` extra); SmolLM2's 576-wide layers need group size 64.
+    "gptq-4": ["--quant_method", "gptq", "--quant_bits", "4", "--group_size", "64"],
+    "gptq-8": ["--quant_method", "gptq", "--quant_bits", "8", "--group_size", "64"],
+    "awq-4": ["--quant_method", "awq", "--group_size", "64"],
 }
+CALIBRATED = ("gptq-4", "gptq-8", "awq-4")
 
 
 def folder_bytes(folder: Path) -> int:
@@ -59,42 +65,23 @@ def run_export(flags: list[str], source: list[str], out: Path) -> float:
     return seconds
 
 
-class OnnxLM:
-    """Just enough of a causal LM's interface over an onnxruntime session for perplexity()."""
-
-    device = "cpu"
-
-    def __init__(self, model_file: Path):
-        import onnxruntime
-
-        self.session = onnxruntime.InferenceSession(
-            str(model_file), providers=["CPUExecutionProvider"]
-        )
-        self.input_names = {i.name for i in self.session.get_inputs()}
-
-    def __call__(self, input_ids, use_cache=False):
-        import torch
-
-        ids = input_ids.numpy()
-        feeds = {"input_ids": ids, "attention_mask": (ids * 0 + 1)}
-        if "position_ids" in self.input_names:
-            feeds["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape).numpy()
-        feeds = {k: v for k, v in feeds.items() if k in self.input_names}
-        logits = self.session.run(["logits"], feeds)[0]
-        return type("Output", (), {"logits": torch.from_numpy(logits)})
-
-
 def load_artifact(kind: str, folder: Path):
     """(model, tokenizer) the way a user loads this format."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if kind == "onnx":
-        return OnnxLM(next(folder.glob("*.onnx"))), AutoTokenizer.from_pretrained(folder)
+        from swiftlm.export.onnx import OnnxCausalLM  # feeds an empty KV cache
+
+        return OnnxCausalLM(folder / "model.onnx"), AutoTokenizer.from_pretrained(folder)
     gguf = sorted(folder.glob("*.gguf"))
-    kwargs = {"gguf_file": gguf[0].name} if gguf else {}
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
-    return model, AutoTokenizer.from_pretrained(folder, **kwargs)
+    # A GGUF file is de-quantized into float32; a quantized folder runs its unquantized
+    # weights in the dtype it was saved with (torchao's int4 CPU kernel needs its bf16).
+    kwargs = {"gguf_file": gguf[0].name, "dtype": torch.float32} if gguf else {"dtype": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    return model, AutoTokenizer.from_pretrained(
+        folder, **({"gguf_file": gguf[0].name} if gguf else {})
+    )
 
 
 def measure(kind: str, path: str) -> dict:
@@ -104,6 +91,10 @@ def measure(kind: str, path: str) -> dict:
     from swiftlm.export.checks import perplexity
 
     torch.set_num_threads(os.cpu_count() or 1)
+    import transformers  # noqa: F401  (imports are not load time)
+
+    if kind == "onnx":
+        import onnxruntime  # noqa: F401
     start = time.perf_counter()
     model, tokenizer = load_artifact(kind, Path(path))
     load_seconds = time.perf_counter() - start
@@ -156,7 +147,10 @@ def main() -> None:
         return
     source_flags, source = source_folder(args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="swiftlm-export-bench-"))
-    names = args.only or [n for n in FORMATS if n != "merged-hf" or args.ckpt_dir]
+    # Rows are kept in WORKDIR/results.json: rerunning some formats updates one table.
+    names = args.only or [
+        n for n in FORMATS if (n != "merged-hf" or args.ckpt_dir) and n not in CALIBRATED
+    ]
     rows = []
     if not args.ckpt_dir:
         ref = {"format": "source (Hugging Face, float32)", "export_s": 0.0}
@@ -171,7 +165,11 @@ def main() -> None:
         row = {"format": name, "export_s": export_s, "bytes": artifact_bytes(name, out)}
         rows.append({**row, **measure_in_subprocess(kind, out)})
         print(json.dumps(rows[-1]), flush=True)
-    print(table(rows))
+    results = work / "results.json"
+    saved = json.loads(results.read_text()) if results.is_file() else {}
+    saved.update({row["format"]: row for row in rows})
+    results.write_text(json.dumps(saved, indent=1))
+    print(table(list(saved.values())))
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -15,8 +15,8 @@ from conftest import build_tokenizer
 from swiftlm.cli.main import main
 from swiftlm.config import ExportConfig, parse_config
 from swiftlm.export import run as export_run
-from swiftlm.export.checks import CHECK_PROMPTS
-from swiftlm.export.quantize import MAX_PPL_INCREASE, int4_group_size
+from swiftlm.export.checks import CHECK_PROMPTS, MAX_PPL_INCREASE
+from swiftlm.export.quantize import int4_group_size
 
 pytest.importorskip("bitsandbytes", reason="needs the quant extra: pip install swiftlm[quant]")
 pytest.importorskip("torchao", reason="needs the quant extra: pip install swiftlm[quant]")

@@ -28,6 +28,7 @@ from swiftlm.config import ExportConfig
 from swiftlm.errors import ConfigError
 from swiftlm.export.checks import (
     CHECK_PROMPTS,
+    MAX_PPL_INCREASE,
     folder_bytes,
     greedy_answers,
     perplexity,
@@ -45,12 +46,6 @@ ALLOWED_BITS = {"gptq": (4, 8), "awq": (4,)}
 # AWQ's packed GEMM kernels take these group sizes only; GPTQ also takes -1 (one scale per
 # output channel) and any other positive size.
 AWQ_GROUP_SIZES = (32, 64, 128)
-# How far the quantized folder's held-out perplexity may rise above the float32 source's.
-# Measured on SmolLM2-135M-Instruct (32 calibration samples, CPU): 8-bit GPTQ +1.3%; 4-bit
-# GPTQ +48% (group 32) and +69% (group 64), AWQ +85% (group 64). Tiny models lose far more at
-# 4 bits than 7B+ ones (a few %), hence the wide 4-bit margin; broken scales or packing give
-# perplexities in the hundreds or more, which is what this catches.
-MAX_PPL_INCREASE = {8: 0.10, 4: 1.50}
 # Used when no --dataset is given: the conversations `swiftlm sft` trains on by default.
 BUILTIN_CALIBRATION_DATASETS = ["swiftlm/self-cognition", "swiftlm/general-qa"]
 # Shorter samples carry too few activations to matter (gptqmodel drops those under 10 too).

@@ -92,3 +92,24 @@ def quantized_input_widths(model_path: str) -> set[int]:
     return {
         m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
     }
+
+
+def logits_within(
+    got: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, atol: float, rtol: float
+) -> tuple[float, bool]:
+    """(max |diff|, whether every logit is within atol + rtol * |reference|: torch.allclose's
+    rule), over real (mask 1) tokens only."""
+    keep = mask.bool()
+    got, reference = got[keep], reference[keep]
+    diff = (got - reference).abs()
+    return float(diff.max()), bool((diff <= atol + rtol * reference.abs()).all())
+
+
+# How far a quantized folder's held-out perplexity may rise above the float32 source's, by
+# bits (quantize.py: bnb, torchao; calibrated.py: GPTQ, AWQ). Measured on
+# SmolLM2-135M-Instruct (source 17.93): 8 bits +0.5% (int8) to +1.5% (GPTQ); 4 bits +47%
+# (bnb NF4) to +67% (torchao int4, group 64). A 135M model loses far more at 4 bits than 7B+
+# ones (a few %), and this one is de-quantized from a Q4_1 GGUF, so 4 bits round it twice.
+# A broken folder is far outside either margin: bnb 4-bit scales saved in the CPU-kernel
+# layout read back at perplexity 3.7 million.
+MAX_PPL_INCREASE = {8: 0.10, 4: 1.50}

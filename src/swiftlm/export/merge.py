@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from swiftlm.errors import SwiftLMError
-from swiftlm.export.checks import chat_inputs
+from swiftlm.export.checks import chat_inputs, logits_within
 from swiftlm.infer.resolve import InferenceModel
 from swiftlm.models.loader import load_model, load_tokenizer
 
@@ -45,11 +45,7 @@ def _unmerged(base, adapters: tuple[str, ...]):
 
 
 def _difference(got: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """(max |diff|, whether every logit is within ATOL + RTOL * |reference|), real tokens only."""
-    keep = mask.bool()
-    got, reference = got[keep], reference[keep]
-    diff = (got - reference).abs()
-    return float(diff.max()), bool((diff <= ATOL + RTOL * reference.abs()).all())
+    return logits_within(got, reference, mask, ATOL, RTOL)
 
 
 def merge_lora(spec: InferenceModel, out: Path, max_shard_size: str) -> dict:

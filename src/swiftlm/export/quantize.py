@@ -40,6 +40,7 @@ from swiftlm.config.sections import QuantArguments
 from swiftlm.errors import ConfigError
 from swiftlm.export.checks import (
     CHECK_PROMPTS,
+    MAX_PPL_INCREASE,
     folder_bytes,
     greedy_answers,
     perplexity,
@@ -62,14 +63,6 @@ CALIBRATED = ("gptq", "awq")
 TORCHAO_BITS = {"int8": 8, "int4": 4}
 # Group sizes that torchao's int4 kernels (tinygemm) take.
 INT4_GROUP_SIZES = (32, 64, 128)
-# How far the folder's held-out perplexity may rise above the float32 source's, by bits.
-# Measured on SmolLM2-135M-Instruct (source 17.93; CPU; unquantized weights in bf16):
-# int8 +0.5%, bnb 8-bit +1.2%; bnb NF4 +47% (+44% without double quantization), FP4 +71%,
-# int4 +67% (group 64) and +57% (group 32). A 135M model loses far more at 4 bits than 7B+
-# ones (a few %), and this one is de-quantized from a Q4_1 GGUF, so 4 bits round it twice.
-# A broken folder is far outside either margin: bnb 4-bit scales saved in the CPU-kernel
-# layout read back at perplexity 3.7 million. The same margins as GPTQ/AWQ (calibrated.py).
-MAX_PPL_INCREASE = {8: 0.10, 4: 1.50}
 
 
 @dataclass(frozen=True)
