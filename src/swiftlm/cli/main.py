@@ -21,7 +21,8 @@ COMMANDS = {
     "export": (
         "ExportConfig",
         "swiftlm.export.run",
-        "Write a model for serving elsewhere (--merge_lora: adapters merged into the weights).",
+        "Write a model for serving elsewhere, checked: --merge_lora, --to_gguf/--to_ollama, "
+        "--quant_method, --to_onnx.",
     ),
 }
 

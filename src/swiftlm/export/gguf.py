@@ -52,6 +52,7 @@ from swiftlm.export.checks import (
 from swiftlm.export.gguf_tokenizer import TokenizerSummary, add_tokenizer
 from swiftlm.export.merge import ExportCheckError
 from swiftlm.export.source import ExportSource
+from swiftlm.models.loader import load_model, load_tokenizer, quiet_gguf_reading, resolve_model
 
 
 @dataclass(frozen=True)
@@ -457,9 +458,11 @@ def load_back(written: WrittenFile, source_config):
         # comparison measures the weights (llama.cpp reads the scaling from the file)
         config.rope_parameters = source_config.rope_parameters
         print("  (rope scaling copied onto the read-back config: transformers does not read it)")
-    return AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=filename, config=config, dtype=torch.float32
-    ).eval()
+    with quiet_gguf_reading():
+        model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=filename, config=config, dtype=torch.float32
+        )
+    return model.eval()
 
 
 def compare_models(written: WrittenFile, source_model, tokenizer, gguf_type: str) -> dict:
@@ -504,8 +507,6 @@ def compare_models(written: WrittenFile, source_model, tokenizer, gguf_type: str
 
 def export_name(source: ExportSource, cfg: ExportConfig) -> str:
     """The file's base name: the run folder for a LoRA run, else the model's name."""
-    from swiftlm.models.loader import resolve_model
-
     checkpoint = cfg.infer.ckpt_dir or (cfg.infer.adapters[0] if cfg.infer.adapters else None)
     if checkpoint:
         path = Path(checkpoint).resolve()
@@ -531,8 +532,6 @@ def _print_written(written: WrittenFile) -> None:
 
 def export(source: ExportSource, out: Path, cfg: ExportConfig) -> dict:
     from transformers import AutoConfig
-
-    from swiftlm.models.loader import load_model, load_tokenizer
 
     started = time.perf_counter()
     gguf_type = cfg.export.gguf_type

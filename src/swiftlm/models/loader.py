@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,20 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{digest}"
 
 
+@contextmanager
+def quiet_gguf_reading():
+    """transformers' GGUF reader draws a plain tqdm bar per file, which its progress-bar switch
+    does not reach; swiftlm prints one line about the conversion instead."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda items, **_: items
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def convert_gguf(gguf: Path) -> Path:
     """De-quantize a GGUF file into a cached Hugging Face folder (once) and return it."""
     target = _gguf_cache_dir(gguf)
@@ -92,10 +107,11 @@ def convert_gguf(gguf: Path) -> Path:
 
     print(f"Converting {gguf.name} to a Hugging Face folder (once) in {target}", flush=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        with quiet_gguf_reading():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            quantized = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
     except Exception as exc:  # transformers raises many types for unsupported GGUFs
         raise ModelLoadError(
             f"--model {gguf}: transformers could not read this GGUF file ({exc}); "
