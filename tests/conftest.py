@@ -58,16 +58,22 @@ def build_tokenizer(out_dir: Path, chat_template: str | None = CHATML):
     return tokenizer
 
 
-def make_tiny_llama(vocab_size: int, seed: int = 0, tie: bool = False):
-    """A seeded 2-layer Llama (hidden 64, GQA 4/2 heads) in memory."""
+def make_tiny_llama(
+    vocab_size: int,
+    seed: int = 0,
+    tie: bool = False,
+    hidden_size: int = 64,
+    initializer_range: float = 0.1,
+):
+    """A seeded 2-layer Llama (hidden 64 by default, MLP twice as wide, GQA 4/2 heads)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -78,7 +84,7 @@ def make_tiny_llama(vocab_size: int, seed: int = 0, tie: bool = False):
         bos_token_id=None,
         # Wider than the default 0.02 so that logits can move far enough for a frozen-head
         # LoRA run to show a clear loss drop in a few steps.
-        initializer_range=0.1,
+        initializer_range=initializer_range,
     )
     return LlamaForCausalLM(config)
 
@@ -119,6 +125,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     tokenizer = build_tokenizer(out)
     build_tiny_llama(out, vocab_size=len(tokenizer))
     return out
+
+
+def build_wide_tiny_llama(out_dir: Path, initializer_range: float = 0.1) -> Path:
+    """The tiny Llama at hidden 128 (MLP 256) with the ChatML tokenizer: every layer width is a
+    multiple of the quantizers' default group size, 128."""
+    tokenizer = build_tokenizer(out_dir)
+    model = make_tiny_llama(len(tokenizer), hidden_size=128, initializer_range=initializer_range)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def wide_tiny_model_dir(tmp_path_factory) -> Path:
+    return build_wide_tiny_llama(tmp_path_factory.mktemp("tiny-llama-128"))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ on a machine with CUDA (and `pip install 'swiftlm[gptq]'` for the GPTQ/AWQ tests
 import pytest
 import torch
 
-from conftest import CHAT_ROWS, build_tokenizer, logged, tiny_sft, write_jsonl
+from conftest import CHAT_ROWS, logged, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
 
 pytestmark = [
@@ -12,31 +12,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 pytest.importorskip("bitsandbytes", reason="needs the quant extra: pip install swiftlm[quant]")
-
-
-@pytest.fixture(scope="module")
-def model_128(tmp_path_factory):
-    """A 2-layer Llama, hidden 128: every quantizer's default group size divides its widths."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("llama-128-cuda")
-    tokenizer = build_tokenizer(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=None,
-        initializer_range=0.1,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -59,11 +34,11 @@ def test_qlora_trains_on_cuda(tiny_model_dir, tmp_path, bits):
     ],
     ids=["bnb4", "bnb8", "int8", "int4"],
 )
-def test_quantized_exports_on_cuda_load_back_and_generate(model_128, tmp_path, flags):
+def test_quantized_exports_on_cuda_load_back_and_generate(wide_tiny_model_dir, tmp_path, flags):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "out"
-    argv = ["export", "--model", str(model_128), "--device", "cuda", *flags]
+    argv = ["export", "--model", str(wide_tiny_model_dir), "--device", "cuda", *flags]
     assert main([*argv, "--output_dir", str(out)]) == 0
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cuda")
@@ -73,13 +48,21 @@ def test_quantized_exports_on_cuda_load_back_and_generate(model_128, tmp_path, f
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibrated_exports_on_cuda(model_128, tmp_path, method):
+def test_calibrated_exports_on_cuda(wide_tiny_model_dir, tmp_path, method):
     pytest.importorskip("gptqmodel", reason="needs the gptq extra: pip install swiftlm[gptq]")
     from transformers import AutoModelForCausalLM
 
     data = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
     out = tmp_path / method
-    argv = ["export", "--model", str(model_128), "--device", "cuda", "--quant_method", method]
+    argv = [
+        "export",
+        "--model",
+        str(wide_tiny_model_dir),
+        "--device",
+        "cuda",
+        "--quant_method",
+        method,
+    ]
     argv += ["--quant_n_samples", "16", "--dataset", str(data), "--output_dir", str(out)]
     assert main(argv) == 0
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cuda")

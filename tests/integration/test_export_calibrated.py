@@ -1,9 +1,9 @@
 """`swiftlm export --quant_method gptq|awq`: calibrated on --dataset, read back by transformers.
 
 The quantizing tests need the optional `gptqmodel` (and `optimum` for GPTQ's loader) and are
-skipped without them; the error tests run everywhere. They quantize a 2-layer Llama built
-here, wider than conftest's (hidden 128, MLP 256) so every layer width is a multiple of the
-default group size 128, as the int4 kernels require.
+skipped without them; the error tests run everywhere. They quantize conftest's wider tiny
+Llama (hidden 128, MLP 256), so every layer width is a multiple of the default group size 128,
+as the int4 kernels require.
 """
 
 import json
@@ -16,26 +16,11 @@ from swiftlm.cli.main import main
 
 @pytest.fixture(scope="module")
 def wide_tiny_model_dir(tmp_path_factory):
-    from tests.conftest import build_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """conftest's hidden-128 Llama at transformers' default initialisation (0.02), whose
+    outputs the perplexity margins were measured on."""
+    from tests.conftest import build_wide_tiny_llama
 
-    out = tmp_path_factory.mktemp("tiny-llama-128")
-    tokenizer = build_tokenizer(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return build_wide_tiny_llama(tmp_path_factory.mktemp("tiny-llama-128"), 0.02)
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """`swiftlm export --quant_method bnb|int8|int4`: a quantized Hugging Face folder that
 transformers loads from the folder alone, checked (answers, perplexity) before returning.
 
-The model is a tiny random Llama with hidden size 128, so that int4's default group size
-(128) divides its layers' input widths (128 and 256).
+The model is conftest's tiny random Llama at hidden size 128, so that int4's default group
+size (128) divides its layers' input widths (128 and 256).
 """
 
 import json
@@ -36,31 +36,6 @@ FLAGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_128(tmp_path_factory):
-    """A seeded 2-layer Llama, hidden 128, with the tests' ChatML BPE tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("llama-128")
-    tokenizer = build_tokenizer(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=None,
-        initializer_range=0.1,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
-
-
 def export(model_dir, out, *flags) -> dict:
     argv = ["--model", str(model_dir), "--output_dir", str(out), *flags]
     return export_run.run(parse_config(ExportConfig, argv, "swiftlm export"))
@@ -75,11 +50,11 @@ def quantized_kind(model) -> str:
 
 
 @pytest.mark.parametrize("kind", ["bnb4", "bnb8", "int8", "int4"])
-def test_quantized_folder_loads_alone_and_generates(kind, model_128, tmp_path, capsys):
+def test_quantized_folder_loads_alone_and_generates(kind, wide_tiny_model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / kind
-    report = export(model_128, out, *FLAGS[kind])
+    report = export(wide_tiny_model_dir, out, *FLAGS[kind])
     printed = capsys.readouterr().out
     assert "held-out perplexity" in printed and "check prompts answered" in printed
     assert report["output"] == str(out) and report["bits"] == (8 if "8" in kind else 4)
@@ -99,11 +74,13 @@ def test_quantized_folder_loads_alone_and_generates(kind, model_128, tmp_path, c
     assert generated.shape[1] > ids.shape[1]
 
 
-def test_int4_falls_back_to_a_group_size_that_divides_the_layers(tiny_model_dir, model_128):
+def test_int4_falls_back_to_a_group_size_that_divides_the_layers(
+    tiny_model_dir, wide_tiny_model_dir
+):
     # Hidden 64, intermediate 128: the default 128 does not divide the 64-wide inputs.
     assert int4_group_size(str(tiny_model_dir), 128) == 64
-    assert int4_group_size(str(model_128), 128) == 128
-    assert int4_group_size(str(model_128), 32) == 32
+    assert int4_group_size(str(wide_tiny_model_dir), 128) == 128
+    assert int4_group_size(str(wide_tiny_model_dir), 32) == 32
 
 
 @pytest.mark.parametrize(
@@ -115,8 +92,17 @@ def test_int4_falls_back_to_a_group_size_that_divides_the_layers(tiny_model_dir,
         (["--quant_method", "int8", "--to_gguf", "true"], "export one format per command"),
     ],
 )
-def test_bad_flag_combinations_fail_before_loading(model_128, tmp_path, capsys, flags, message):
-    argv = ["export", "--model", str(model_128), "--output_dir", str(tmp_path / "out"), *flags]
+def test_bad_flag_combinations_fail_before_loading(
+    wide_tiny_model_dir, tmp_path, capsys, flags, message
+):
+    argv = [
+        "export",
+        "--model",
+        str(wide_tiny_model_dir),
+        "--output_dir",
+        str(tmp_path / "out"),
+        *flags,
+    ]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
