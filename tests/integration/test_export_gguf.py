@@ -218,7 +218,7 @@ def test_a_wrong_layout_fails_the_check(tiny_model_dir, tmp_path, monkeypatch, c
 
 @pytest.mark.slow
 def test_default_model_to_f16_and_q8_0(tmp_path, capsys):
-    from swiftlm.export.gguf import PERPLEXITY_MARGINS
+    from swiftlm.export.gguf_check import PERPLEXITY_MARGINS
 
     for gguf_type in ("f16", "q8_0"):
         out = tmp_path / gguf_type
