@@ -142,6 +142,20 @@ def wide_tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_lora_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A 6-step LoRA run of the tiny Llama (run folder `my-run`), for the export tests. A high
+    learning rate moves the logits far from the base model's, so a merge has something to
+    reproduce."""
+    root = tmp_path_factory.mktemp("lora-run")
+    data = write_jsonl(root / "chat.jsonl", CHAT_ROWS)
+    flags = dict(max_steps=6, learning_rate=5e-2, lora_dropout=0, save_steps=100)
+    from swiftlm.cli.main import main
+
+    assert main(tiny_sft(tiny_model_dir, data, root / "my-run", **flags)) == 0
+    return root / "my-run"
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -2,21 +2,13 @@
 
 import pytest
 import torch
-from tests.conftest import tiny_sft
 
 from swiftlm.cli.main import main
 
 
-@pytest.fixture(scope="module")
-def lora_run(tiny_model_dir, tmp_path_factory):
-    from tests.conftest import CHAT_ROWS, write_jsonl
-
-    root = tmp_path_factory.mktemp("lora-run")
-    data = write_jsonl(root / "chat.jsonl", CHAT_ROWS)
-    # A high learning rate so the adapter moves the logits far from the base model's.
-    flags = dict(max_steps=6, learning_rate=5e-2, lora_dropout=0, save_steps=100)
-    assert main(tiny_sft(tiny_model_dir, data, root / "run", **flags)) == 0
-    return root / "run"
+@pytest.fixture
+def lora_run(tiny_lora_run):
+    return tiny_lora_run
 
 
 def _logits(folder, tokenizer_dir, adapter=None):

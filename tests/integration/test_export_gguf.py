@@ -5,13 +5,10 @@ import gguf
 import pytest
 import torch
 from tests.conftest import (
-    CHAT_ROWS,
     CHATML,
     CORPUS,
     build_tiny_llama,
     build_tokenizer,
-    tiny_sft,
-    write_jsonl,
 )
 
 from swiftlm.cli.main import main
@@ -168,14 +165,9 @@ def test_other_llama_family_models(family, tmp_path, capsys):
         assert diff < 1e-2
 
 
-@pytest.fixture(scope="module")
-def lora_run(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf-lora")
-    data = write_jsonl(root / "chat.jsonl", CHAT_ROWS)
-    # a high learning rate so the adapter moves the logits far from the base model's
-    flags = dict(max_steps=4, learning_rate=5e-2, lora_dropout=0, save_steps=100)
-    assert main(tiny_sft(tiny_model_dir, data, root / "my-run", **flags)) == 0
-    return root / "my-run"
+@pytest.fixture
+def lora_run(tiny_lora_run):
+    return tiny_lora_run  # its folder name, my-run, names the GGUF file
 
 
 def test_lora_run_is_merged_then_written(lora_run, tiny_model_dir, tmp_path, capsys):

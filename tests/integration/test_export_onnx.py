@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.conftest import CHAT_ROWS, tiny_sft, write_jsonl
+from tests.conftest import CHAT_ROWS
 
 from swiftlm.cli.main import main
 
@@ -202,12 +202,11 @@ def test_check_rejects_a_file_that_differs(tiny_onnx, tiny_model_dir, tmp_path):
         onnx_export.check_export(model, load_tokenizer(str(tiny_model_dir)), folder / "model.onnx")
 
 
-def test_lora_run_is_merged_then_exported(tiny_model_dir, tiny_tokenizer, tmp_path, capsys):
-    data = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
-    flags = dict(max_steps=2, learning_rate=5e-2, lora_dropout=0, save_steps=100)
-    assert main(tiny_sft(tiny_model_dir, data, tmp_path / "run", **flags)) == 0
+def test_lora_run_is_merged_then_exported(
+    tiny_model_dir, tiny_tokenizer, tiny_lora_run, tmp_path, capsys
+):
     out = tmp_path / "onnx"
-    assert main(_export(["--ckpt_dir", str(tmp_path / "run")], out)) == 0
+    assert main(_export(["--ckpt_dir", str(tiny_lora_run)], out)) == 0
     assert CHECK_LINE in capsys.readouterr().out
     # The ONNX logits are base + adapter's (read from the merged weights), not the base's.
     from peft import PeftModel
@@ -217,7 +216,7 @@ def test_lora_run_is_merged_then_exported(tiny_model_dir, tiny_tokenizer, tmp_pa
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         base_logits = base(**inputs).logits
-        tuned = PeftModel.from_pretrained(base, tmp_path / "run" / "final").eval()
+        tuned = PeftModel.from_pretrained(base, tiny_lora_run / "final").eval()
         expected = tuned(**inputs).logits
     got = _onnx_logits(_session(out), inputs)
     _assert_close(got, expected, inputs["attention_mask"])
