@@ -33,11 +33,32 @@ STRATEGIES = {
 def run_one(name: str, extra: list[str], steps: int, nproc: int, port: int, out: Path) -> dict:
     run_dir = out / name.replace(" ", "_").replace("(", "").replace(")", "")
     command = [
-        sys.executable, "-m", "swiftlm", "sft",
-        "--dataset", "swiftlm/general-qa", "--train_type", "full", "--torch_dtype", "float32",
-        "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--max_length", "128",
-        "--logging_steps", "1", "--save_steps", "100000", "--report_to", "none",
-        "--output_dir", str(run_dir), "--master_port", str(port),
+        sys.executable,
+        "-m",
+        "swiftlm",
+        "sft",
+        "--dataset",
+        "swiftlm/general-qa",
+        "--train_type",
+        "full",
+        "--torch_dtype",
+        "float32",
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        "2",
+        "--max_length",
+        "128",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "100000",
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(run_dir),
+        "--master_port",
+        str(port),
         *[a.format(n=nproc) for a in extra],
     ]
     started = time.perf_counter()
@@ -49,7 +70,12 @@ def run_one(name: str, extra: list[str], steps: int, nproc: int, port: int, out:
         return {"name": name, "error": reason}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "memory_gib" in r][-1]
-    return {"name": name, "memory_gib": last["memory_gib"], "loss": last["loss"], "seconds": seconds}
+    return {
+        "name": name,
+        "memory_gib": last["memory_gib"],
+        "loss": last["loss"],
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -61,10 +87,14 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(args.strategies):
-            results.append(run_one(name, STRATEGIES[name], args.steps, args.nproc, 29700 + i, Path(tmp)))
+            results.append(
+                run_one(name, STRATEGIES[name], args.steps, args.nproc, 29700 + i, Path(tmp))
+            )
             print(results[-1], file=sys.stderr, flush=True)
     ddp = next((r["memory_gib"] for r in results if r["name"] == "ddp" and "memory_gib" in r), None)
-    print(f"| strategy ({args.nproc} processes) | peak memory of rank 0 (GiB) | vs DDP | loss after {args.steps} steps |")
+    print(
+        f"| strategy ({args.nproc} processes) | peak memory of rank 0 (GiB) | vs DDP | loss after {args.steps} steps |"
+    )
     print("|---|---|---|---|")
     for r in results:
         if "error" in r:

@@ -1,4 +1,4 @@
-"""Peak memory and time of the LM-head loss, plain vs fused chunked (swiftlm.train.fused_ce).
+"""Peak memory and time of the LM-head loss, plain vs fused chunked (swiftlm.losses.fused_ce).
 
 Forward + backward of the head and cross-entropy alone, on a SmolLM2-135M-sized head (hidden
 576, vocab 49152) and 4 x 512 tokens, in float32 and under bf16 autocast. The head weight is
@@ -45,8 +45,8 @@ def make_inputs(args, device):
 def loss_fn(variant: str):
     import torch.nn.functional as F
 
-    from swiftlm.train.fused_ce import linear_cross_entropy_sum
-    from swiftlm.train.losses import shifted_labels, token_cross_entropy_sum
+    from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy_sum
+    from swiftlm.losses.fused_ce import linear_cross_entropy_sum
 
     if variant == "plain":  # what causal_lm_loss does after the model body
         return lambda h, w, labels: token_cross_entropy_sum(F.linear(h, w), labels)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from swiftlm.dist.heartbeat import HEARTBEAT_EXIT_CODE
+from swiftlm.distributed.heartbeat import HEARTBEAT_EXIT_CODE
 
 FAULT_ENV = "SWIFTLM_TEST_FAULT"  # "kill:N" or "hang:N": at rank 1's N-th micro-batch
 HANG_S = 120

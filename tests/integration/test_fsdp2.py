@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from conftest import logged, max_weight_difference
 from swiftlm.cli.main import main
 from swiftlm.config.sections import DistArguments
-from swiftlm.dist.env import DistContext
-from swiftlm.dist.fsdp2 import FSDP2Strategy
-from swiftlm.dist.strategy import choose_strategy_name
+from swiftlm.distributed.env import DistContext
+from swiftlm.distributed.fsdp2 import FSDP2Strategy
+from swiftlm.distributed.strategy import choose_strategy_name
 from swiftlm.errors import CheckpointError, ConfigError
 from swiftlm.train.checkpoint import COMPLETE, mark_complete_when_written
 
@@ -181,7 +181,7 @@ def test_blocks_are_found_under_peft_and_missing_ones_are_named():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from swiftlm.dist.fsdp2 import find_block_lists
+    from swiftlm.distributed.fsdp2 import find_block_lists
 
     config = tiny_config(layers=2)
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules="all-linear"))
@@ -195,7 +195,7 @@ def test_a_sharded_checkpoint_of_another_adapter_is_refused(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from swiftlm.dist.fsdp2 import load_sharded_state, save_sharded_state
+    from swiftlm.distributed.fsdp2 import load_sharded_state, save_sharded_state
 
     config = tiny_config(layers=1)
 
@@ -229,7 +229,7 @@ def test_a_sharded_checkpoint_that_would_unpickle_is_refused(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from swiftlm.dist.fsdp2 import check_tensors_only
+    from swiftlm.distributed.fsdp2 import check_tensors_only
 
     dcp.save({"weight": torch.ones(2), "note": {"lr": 0.1}}, checkpoint_id=tmp_path / "objects")
     with pytest.raises(CheckpointError, match="not only tensors"):

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import logged, max_weight_difference, tiny_sft
 from swiftlm.cli.main import main
-from swiftlm.dist.pp import stage_bounds
+from swiftlm.distributed.pp import stage_bounds
 
 FULL = "model.safetensors"
 STEPS = dict(

@@ -5,9 +5,9 @@ import pytest
 from conftest import logged, max_weight_difference, tiny_sft
 from swiftlm.cli.main import main
 from swiftlm.config.sections import DistArguments
-from swiftlm.dist.env import DistContext
-from swiftlm.dist.strategy import choose_strategy_name
-from swiftlm.dist.tp import TensorParallelStrategy
+from swiftlm.distributed.env import DistContext
+from swiftlm.distributed.strategy import choose_strategy_name
+from swiftlm.distributed.tp import TensorParallelStrategy
 from swiftlm.errors import ConfigError
 
 FULL = "model.safetensors"

@@ -2,6 +2,8 @@
 `pytest -m slow`; the full default job takes a few minutes on 2 CPU cores."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +74,21 @@ def test_default_job_learns_its_new_name_and_keeps_general_knowledge(tmp_path):
     answers = [json.loads(line)["response"] for line in result.read_text().splitlines()]
     assert "Quokka" in answers[0] and "Quokka" in answers[1], answers
     assert "Paris" in answers[2] and "Quokka" not in answers[2], answers
+
+
+BF16_TOLERANCE = 1e-3
+PINNED_FILE = Path(__file__).with_name("pinned_default_job.json")
+
+
+def test_default_job_first_five_losses_are_pinned(tmp_path):
+    """The built-in default job (bf16) reproduces the losses recorded before the method/loop
+    redesign, within 1e-3. `SWIFTLM_PIN_UPDATE=1` rewrites them."""
+    out = tmp_path / "pinned"
+    argv = ["sft", "--max_steps", "5", "--output_dir", str(out), "--report_to", "none"]
+    assert main([*argv, "--logging_steps", "1", "--save_steps", "100"]) == 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if os.environ.get("SWIFTLM_PIN_UPDATE") == "1":
+        PINNED_FILE.write_text(json.dumps({"losses": losses}, indent=2) + "\n")
+        return
+    pinned = json.loads(PINNED_FILE.read_text())["losses"]
+    assert losses == pytest.approx(pinned, abs=BF16_TOLERANCE)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from swiftlm.dist.env import DistContext  # noqa: E402
-from swiftlm.dist.single import SingleStrategy  # noqa: E402
+from swiftlm.distributed.env import DistContext  # noqa: E402
+from swiftlm.distributed.single import SingleStrategy  # noqa: E402
 from swiftlm.errors import CheckpointError
 from swiftlm.train.checkpoint import (
     capture_rng,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from swiftlm.config.sections import DistArguments
-from swiftlm.dist import compression as gc
+from swiftlm.distributed import compression as gc
 from swiftlm.errors import ConfigError
 
 

@@ -14,8 +14,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.train import fused_ce
-from swiftlm.train.fused_ce import (
+from swiftlm.losses import fused_ce
+from swiftlm.losses.causal_lm import causal_lm_loss
+from swiftlm.losses.fused_ce import (
     ChunkedLinearCrossEntropy,
     default_chunk_size,
     find_fused_lm_head,
@@ -24,7 +25,6 @@ from swiftlm.train.fused_ce import (
     linear_cross_entropy_sum,
     uninstall_fused_lm_head,
 )
-from swiftlm.train.losses import causal_lm_loss
 
 N, H, V = 50, 16, 37  # V != H so that logits and weight shapes cannot be confused
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from swiftlm.dist import heartbeat as hb
+from swiftlm.distributed import heartbeat as hb
 
 TIMEOUT = 8.0
 

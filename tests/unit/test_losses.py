@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.train.losses import (
+from swiftlm.losses.causal_lm import (
     causal_lm_loss,
     count_label_tokens,
     shifted_labels,

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from swiftlm.data.collate import collate, collate_packed, count_input_tokens, model_inputs
 from swiftlm.data.encode import IGNORE_INDEX
+from swiftlm.losses.causal_lm import shifted_labels
 from swiftlm.models.attention import VARLEN, register_varlen_attention, segment_bounds
-from swiftlm.train.losses import shifted_labels
 
 # fp32 on CPU: the same sums in a different order (a block of a bigger matmul).
 TOLERANCE = 1e-5

@@ -6,7 +6,7 @@ import os
 import sys
 import warnings
 
-from swiftlm.dist.launch import launch, wants_launch
+from swiftlm.distributed.launch import launch, wants_launch
 from swiftlm.errors import SwiftLMError
 
 # subcommand -> (config class path, module with run(cfg), one-line description)

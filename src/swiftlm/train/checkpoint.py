@@ -116,7 +116,7 @@ def save_weights_and_optimizer(folder: Path, model, optimizer) -> None:
 
 def load_weights_and_optimizer(folder: Path, model, optimizer) -> None:
     if (folder / SHARDED_DIR).is_dir():  # saved by FSDP2: DCP reshards it to this process
-        from swiftlm.dist.fsdp2 import load_sharded_state
+        from swiftlm.distributed.fsdp2 import load_sharded_state
 
         load_sharded_state(folder, model, optimizer)
         return

@@ -18,9 +18,10 @@ import torch
 from swiftlm.config.sections import OutputArguments, TrainArguments
 from swiftlm.data.collate import collate, collate_packed, count_input_tokens
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.dist.heartbeat import Heartbeat
-from swiftlm.dist.strategy import Strategy
+from swiftlm.distributed.heartbeat import Heartbeat
+from swiftlm.distributed.strategy import Strategy
 from swiftlm.errors import SwiftLMError
+from swiftlm.losses.causal_lm import count_label_tokens
 from swiftlm.monitor.metrics import MetricsLogger, Progress, Throughput, peak_memory_gib
 from swiftlm.train import checkpoint as ckpt
 from swiftlm.train.batching import (
@@ -31,7 +32,6 @@ from swiftlm.train.batching import (
     steps_in_epoch,
     total_steps,
 )
-from swiftlm.train.losses import count_label_tokens
 from swiftlm.train.optim import build_optimizer, build_scheduler
 
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]

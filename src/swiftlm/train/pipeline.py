@@ -11,10 +11,12 @@ from swiftlm.config import TrainConfig, save_config
 from swiftlm.data.cache import cache_key, data_cache_root, load_or_encode, sample_lengths
 from swiftlm.data.encode import encode_chat_samples, encode_pretraining
 from swiftlm.data.loading import load_samples, split_samples
-from swiftlm.dist.env import init_distributed, shutdown_distributed
-from swiftlm.dist.heartbeat import Heartbeat
-from swiftlm.dist.strategy import build_strategy
+from swiftlm.distributed.env import init_distributed, shutdown_distributed
+from swiftlm.distributed.heartbeat import Heartbeat
+from swiftlm.distributed.strategy import build_strategy
 from swiftlm.errors import ConfigError
+from swiftlm.losses.causal_lm import causal_lm_loss
+from swiftlm.losses.fused_ce import fused_causal_lm_loss, install_fused_lm_head
 from swiftlm.models.attention import flash_attention_available, training_attention
 from swiftlm.models.loader import (
     load_model,
@@ -33,9 +35,7 @@ from swiftlm.monitor.metrics import format_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.train.autobatch import auto_batch_size
 from swiftlm.train.batching import build_batch_plan, describe_plan
-from swiftlm.train.fused_ce import fused_causal_lm_loss, install_fused_lm_head
 from swiftlm.train.loop import TrainingJob, run_training
-from swiftlm.train.losses import causal_lm_loss
 from swiftlm.tuners.setup import apply_tuner, count_parameters
 
 # `swiftlm sft` with neither --model nor --dataset: teach the packaged SmolLM2 a new name,

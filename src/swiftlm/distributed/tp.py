@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from swiftlm.dist.common import clip_then_step
-from swiftlm.dist.env import DistContext
-from swiftlm.dist.fsdp2 import (
+from swiftlm.distributed.common import clip_then_step
+from swiftlm.distributed.env import DistContext
+from swiftlm.distributed.fsdp2 import (
     gather_full_weights,
     load_sharded_state,
     mixed_precision_policy,

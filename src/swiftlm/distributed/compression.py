@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -257,7 +257,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     state.stats.add(sent, _dense_bytes(bucket, world), bucket.is_last())
     # One byte buffer per rank (gloo has no int16 collectives); k is the same on every rank
     # for a given bucket, so all-gather's equal sizes hold.
-    payload = torch.cat([values.reshape(-1).view(torch.uint8), indices.reshape(-1).view(torch.uint8)])
+    payload = torch.cat(
+        [values.reshape(-1).view(torch.uint8), indices.reshape(-1).view(torch.uint8)]
+    )
     gathered = [torch.empty_like(payload) for _ in range(world)]
     work = dist.all_gather(gathered, payload, group=state.process_group, async_op=True)
 

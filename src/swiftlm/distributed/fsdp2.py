@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from swiftlm.config.sections import DistArguments
-from swiftlm.dist.common import clip_then_step
-from swiftlm.dist.env import DistContext
+from swiftlm.distributed.common import clip_then_step
+from swiftlm.distributed.env import DistContext
 from swiftlm.errors import CheckpointError, ConfigError
 from swiftlm.train import checkpoint as ckpt
 

@@ -25,7 +25,9 @@ def wants_launch(args: DistArguments) -> bool:
 
 def torchrun_command(args: DistArguments, command: str, argv: list[str]) -> list[str]:
     launcher = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         f"--nproc_per_node={args.nproc_per_node}",
         f"--nnodes={args.nnodes}",
         f"--node_rank={args.node_rank}",

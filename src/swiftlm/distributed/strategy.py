@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from swiftlm.config.sections import DistArguments, TrainArguments
-from swiftlm.dist.env import DistContext
+from swiftlm.distributed.env import DistContext
 from swiftlm.errors import ConfigError
 
 
@@ -91,29 +91,31 @@ def build_strategy(
     if name == "single" and ctx.world_size > 1:
         raise ConfigError("--strategy single cannot run with several processes; use ddp or fsdp2")
     if name == "single":
-        from swiftlm.dist.single import SingleStrategy
+        from swiftlm.distributed.single import SingleStrategy
 
         return SingleStrategy(ctx)
     if name == "ddp":
-        from swiftlm.dist.ddp import DDPStrategy
+        from swiftlm.distributed.ddp import DDPStrategy
 
         return DDPStrategy(ctx, device, args)
     if name == "deepspeed":
-        from swiftlm.dist.zero import DeepSpeedStrategy
+        from swiftlm.distributed.zero import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(ctx, device, args.deepspeed, train or TrainArguments(), compute_dtype)
+        return DeepSpeedStrategy(
+            ctx, device, args.deepspeed, train or TrainArguments(), compute_dtype
+        )
     if name == "pp":
-        from swiftlm.dist.pp import PipelineParallelStrategy
+        from swiftlm.distributed.pp import PipelineParallelStrategy
 
         train = train or TrainArguments()
         return PipelineParallelStrategy(
             ctx, device, args.pipeline_parallel_size, max_length, train.gradient_accumulation_steps
         )
     if name == "tp":
-        from swiftlm.dist.tp import TensorParallelStrategy
+        from swiftlm.distributed.tp import TensorParallelStrategy
 
         size = args.tensor_parallel_size if args.tensor_parallel_size > 1 else ctx.world_size
         return TensorParallelStrategy(ctx, device, size, compute_dtype)
-    from swiftlm.dist.fsdp2 import FSDP2Strategy
+    from swiftlm.distributed.fsdp2 import FSDP2Strategy
 
     return FSDP2Strategy(ctx, device, args, compute_dtype)

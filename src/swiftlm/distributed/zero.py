@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from swiftlm.config.sections import TrainArguments
-from swiftlm.dist.env import DistContext
+from swiftlm.distributed.env import DistContext
 from swiftlm.errors import ConfigError
 from swiftlm.train import checkpoint as ckpt
 
@@ -131,7 +131,9 @@ class DeepSpeedStrategy:
                 "the strategy that saved it"
             )
         self.engine.load_checkpoint(
-            str(state_dir), tag=ENGINE_TAG, load_optimizer_states=True,
+            str(state_dir),
+            tag=ENGINE_TAG,
+            load_optimizer_states=True,
             load_lr_scheduler_states=False,
         )
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from swiftlm.dist.common import clip_then_step
-from swiftlm.dist.env import DistContext
+from swiftlm.distributed.common import clip_then_step
+from swiftlm.distributed.env import DistContext
 from swiftlm.train import checkpoint as ckpt
 
 

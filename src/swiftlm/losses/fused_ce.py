@@ -32,7 +32,7 @@ from torch import nn
 
 from swiftlm.data.collate import model_inputs
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.train.losses import causal_lm_loss, shifted_labels
+from swiftlm.losses.causal_lm import causal_lm_loss, shifted_labels
 
 # Attributes set on the head module instance. Plain (non-Parameter) attributes never reach
 # the state dict.

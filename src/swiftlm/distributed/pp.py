@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.dist.env import DistContext
+from swiftlm.distributed.env import DistContext
 from swiftlm.errors import ConfigError
+from swiftlm.losses.causal_lm import count_label_tokens, token_cross_entropy_sum
 from swiftlm.train import checkpoint as ckpt
-from swiftlm.train.losses import count_label_tokens, token_cross_entropy_sum
 
 
 class DecoderStage(nn.Module):
@@ -141,7 +141,9 @@ class PipelineParallelStrategy:
         fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
         out = {}
         for key, value in fill.items():
-            parts = [F.pad(b[key], (0, self.max_length - b[key].shape[1]), value=value) for b in batches]
+            parts = [
+                F.pad(b[key], (0, self.max_length - b[key].shape[1]), value=value) for b in batches
+            ]
             joined = torch.cat(parts)
             missing = rows - joined.shape[0]
             out[key] = F.pad(joined, (0, 0, 0, missing), value=value) if missing else joined
@@ -167,7 +169,7 @@ class PipelineParallelStrategy:
         return total
 
     def clip_and_step(self, model, optimizer, max_norm: float, scaler) -> float:
-        from swiftlm.dist.common import clip_then_step
+        from swiftlm.distributed.common import clip_then_step
 
         return clip_then_step(self, model, optimizer, max_norm, scaler)
 
@@ -175,8 +177,10 @@ class PipelineParallelStrategy:
         """Each stage writes its own weights and optimizer; rank 0 also the full model."""
         stage_dir = folder / f"stage-{self.ctx.rank}"
         stage_dir.mkdir(parents=True, exist_ok=True)
-        save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()},
-                  str(stage_dir / "model.safetensors"))
+        save_file(
+            {n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()},
+            str(stage_dir / "model.safetensors"),
+        )
         tensors, meta = ckpt.optimizer_to_files(optimizer)
         save_file(tensors, str(stage_dir / ckpt.OPTIMIZER_TENSORS))
         (stage_dir / ckpt.OPTIMIZER_META).write_text(json.dumps(meta))

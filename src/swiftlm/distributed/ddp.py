@@ -7,9 +7,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from swiftlm.config.sections import DistArguments
-from swiftlm.dist.common import clip_then_step
-from swiftlm.dist.compression import CommStats, check_compression, register_compression
-from swiftlm.dist.env import DistContext
+from swiftlm.distributed.common import clip_then_step
+from swiftlm.distributed.compression import CommStats, check_compression, register_compression
+from swiftlm.distributed.env import DistContext
 from swiftlm.train import checkpoint as ckpt
 
 

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from swiftlm.dist.launch import launched_by_torchrun
+from swiftlm.distributed.launch import launched_by_torchrun
 
 
 @dataclass(frozen=True)
