@@ -8,8 +8,7 @@
 Faults are injected without touching production code: the test writes a `sitecustomize.py`
 into a folder on PYTHONPATH, which Python imports at start-up in every process of the launch
 (the CLI, torchrun, each worker). In a worker of rank 1 on torchrun's first attempt, and only
-when SWIFTLM_TEST_FAULT is set, it wraps the loss that `swiftlm.train.pipeline.choose_loss_fn` picks (see
-`install_fault` below) so the N-th micro-batch kills or hangs the process.
+when SWIFTLM_TEST_FAULT is set, it wraps the SFT method's loss (see `install_fault` below) so the N-th micro-batch kills or hangs the process.
 Every launch has a hard timeout (then SIGTERM, SIGKILL): a bug can fail the suite, never hang it.
 """
 
@@ -56,25 +55,20 @@ def install_fault() -> None:
     if os.environ.get("RANK") != "1" or os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
         return
     kind, at = os.environ[FAULT_ENV].split(":")
-    import swiftlm.train.pipeline as pipeline
+    from swiftlm.methods.sft import SFT
 
-    original_choice, calls = pipeline.choose_loss_fn, [0]
+    original, calls = SFT.loss, [0]
 
-    def choose_faulty_loss(*args):
-        original = original_choice(*args)
+    def faulty_loss(self, model, batch):
+        calls[0] += 1
+        if calls[0] == int(at):
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            print(f"fault: rank 1 hangs at {time.time():.3f}", file=sys.stderr, flush=True)
+            time.sleep(HANG_S)
+        return original(self, model, batch)
 
-        def faulty_loss(model, batch):
-            calls[0] += 1
-            if calls[0] == int(at):
-                if kind == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                print(f"fault: rank 1 hangs at {time.time():.3f}", file=sys.stderr, flush=True)
-                time.sleep(HANG_S)
-            return original(model, batch)
-
-        return faulty_loss
-
-    pipeline.choose_loss_fn = choose_faulty_loss
+    SFT.loss = faulty_loss
 
 
 class Launch:

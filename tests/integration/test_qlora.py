@@ -14,7 +14,7 @@ import torch
 from conftest import CHAT_ROWS, logged, max_weight_difference, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
 from swiftlm.models.quant import quantized_linear_names
-from swiftlm.train import pipeline
+from swiftlm.train import run as train_run
 
 pytest.importorskip(
     "bitsandbytes", reason="QLoRA needs the quant extra: pip install swiftlm[quant]"
@@ -29,18 +29,18 @@ QUANTIZED_LINEARS = 14
 def spied_run(argv: list[str]) -> dict:
     """Run `swiftlm sft argv`, recording what the training loop was handed."""
     seen = {}
-    real_run_training = pipeline.run_training
+    real_run_training = train_run.run_training
 
     def spy(job):
         model = job.strategy.unwrap(job.model)
         quantized = quantized_linear_names(model)
         seen["linears"], seen["count"] = set(quantized.values()), len(quantized)
-        seen["loss_fn"] = job.loss_fn.__name__
+        seen["fused_loss"] = job.method.loss_fn.fused
         seen["trainable_dtypes"] = {p.dtype for p in model.parameters() if p.requires_grad}
         return real_run_training(job)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pipeline, "run_training", spy)
+        patch.setattr(train_run, "run_training", spy)
         assert main(argv) == 0
     return seen
 
@@ -65,7 +65,7 @@ def test_4bit_base_trains_adapters_and_the_loss_falls(qlora4):
     # and the LM head (not quantized) still takes the fused cross-entropy.
     assert seen["linears"] == {"Linear4bit"} and seen["count"] == QUANTIZED_LINEARS
     assert seen["trainable_dtypes"] == {torch.float32}
-    assert seen["loss_fn"] == "fused_causal_lm_loss"
+    assert seen["fused_loss"]
     losses = logged(run)
     assert len(losses) == 20
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

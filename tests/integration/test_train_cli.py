@@ -207,25 +207,20 @@ def test_resumed_run_equals_uninterrupted(
     ]
     assert sft(tiny_model_dir, chat_jsonl, tmp_path / "straight", *common) == 0
 
-    import swiftlm.train.pipeline as pipeline
+    from swiftlm.methods.sft import SFT
 
-    real_choice, calls = pipeline.choose_loss_fn, {"n": 0}
+    real_loss, calls = SFT.loss, {"n": 0}
 
-    def crashing(*args):
-        real_loss = real_choice(*args)
+    def crashing_loss(self, model, batch):
+        if calls["n"] == 4 * 2 + crash_at_micro_batch:  # after step 4's checkpoint
+            raise Crash("simulated crash")
+        calls["n"] += 1
+        return real_loss(self, model, batch)
 
-        def crashing_loss(model, batch):
-            if calls["n"] == 4 * 2 + crash_at_micro_batch:  # after step 4's checkpoint
-                raise Crash("simulated crash")
-            calls["n"] += 1
-            return real_loss(model, batch)
-
-        return crashing_loss
-
-    monkeypatch.setattr(pipeline, "choose_loss_fn", crashing)
+    monkeypatch.setattr(SFT, "loss", crashing_loss)
     with pytest.raises(Crash):
         sft(tiny_model_dir, chat_jsonl, tmp_path / "resumed", *common)
-    monkeypatch.setattr(pipeline, "choose_loss_fn", real_choice)
+    monkeypatch.setattr(SFT, "loss", real_loss)
     assert not (tmp_path / "resumed" / "final").exists()
     assert (
         sft(
@@ -379,21 +374,16 @@ def test_half_precision_autocast_trains(tiny_model_dir, chat_jsonl, tmp_path, dt
 
 
 def test_nonfinite_loss_policy(tiny_model_dir, chat_jsonl, tmp_path, monkeypatch, capsys):
-    import swiftlm.train.pipeline as pipeline
+    from swiftlm.methods.sft import SFT
 
-    real_choice, calls = pipeline.choose_loss_fn, {"n": 0}
+    real_loss, calls = SFT.loss, {"n": 0}
 
-    def nan_on_second_step(*args):
-        real_loss = real_choice(*args)
+    def nan_on_second_step(self, model, batch):
+        calls["n"] += 1
+        loss, metrics = real_loss(self, model, batch)
+        return (loss * float("nan"), metrics) if calls["n"] == 2 else (loss, metrics)
 
-        def loss_fn(model, batch):
-            calls["n"] += 1
-            loss, metrics = real_loss(model, batch)
-            return (loss * float("nan"), metrics) if calls["n"] == 2 else (loss, metrics)
-
-        return loss_fn
-
-    monkeypatch.setattr(pipeline, "choose_loss_fn", nan_on_second_step)
+    monkeypatch.setattr(SFT, "loss", nan_on_second_step)
     common = ["--max_steps", 3, "--per_device_train_batch_size", 4]
     assert sft(tiny_model_dir, chat_jsonl, tmp_path / "err", *common) == 1
     assert "step 2: loss nan" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from swiftlm.data.encode import (
     encode_pretraining,
     truncate,
 )
+from swiftlm.errors import DataError
 from swiftlm.models.templates import ensure_chat_template
 
 CONVERSATION = [
@@ -136,3 +137,45 @@ def test_template_that_rewrites_history_is_reported(tiny_tokenizer, tmp_path):
     tokenizer = build_tokenizer(tmp_path, chat_template=rewriting)
     with pytest.raises(Exception, match="re-renders earlier turns"):
         encode_chat(tokenizer, CONVERSATION[1:5], "assistant")
+
+
+def as_text_parts(messages: list[dict]) -> list[dict]:
+    """The same conversation with each content split into two text parts."""
+    return [
+        {
+            **m,
+            "content": [
+                {"type": "text", "text": m["content"][:3]},
+                {"type": "text", "text": m["content"][3:]},
+            ],
+        }
+        for m in messages
+    ]
+
+
+@pytest.mark.parametrize("scope", ["assistant", "last_turn", "all"])
+def test_text_part_lists_encode_exactly_like_strings(tmp_path, scope):
+    # A string-only template (SmolLM's) would fail on lists: the parts are flattened first.
+    tokenizer = build_tokenizer(tmp_path, chat_template=SMOLLM_TEMPLATE)
+    expected = encode_chat(tokenizer, CONVERSATION, scope)
+    assert encode_chat(tokenizer, as_text_parts(CONVERSATION), scope) == expected
+    samples = [{"messages": as_text_parts(CONVERSATION), "source": "x.jsonl:1"}]
+    encoded, _ = encode_chat_samples(tokenizer, samples, 1000, "delete", scope)
+    assert encoded == [expected]
+
+
+def test_images_are_refused_by_text_encoding(tiny_tokenizer):
+    picture = [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is it?"}]
+    sample = {
+        "messages": [
+            {"role": "user", "content": picture},
+            {"role": "assistant", "content": "A cat."},
+        ],
+        "source": "x.jsonl:7",
+    }
+    with pytest.raises(DataError) as info:
+        encode_chat_samples(tiny_tokenizer, [sample], 100, "delete", "assistant")
+    assert str(info.value) == (
+        "x.jsonl:7: message 1 has 1 image(s), which text-only chat encoding cannot use; "
+        "remove its image parts"
+    )

@@ -2,7 +2,15 @@
 
 import pytest
 
-from swiftlm.data.formats import RowError, check_conversation, to_messages, to_text
+from swiftlm.data.formats import (
+    RowError,
+    check_conversation,
+    content_images,
+    content_text,
+    flatten_text_parts,
+    to_messages,
+    to_text,
+)
 
 
 def user(text):
@@ -316,3 +324,125 @@ def test_inference_prompts_may_omit_the_answer_field():
     with pytest.raises(RowError) as error:
         to_messages({"query": "Hi?"})
     assert error.value.kind == "no recognizable format"
+
+
+# --- content parts ----------------------------------------------------------------------
+
+
+def text_part(text):
+    return {"type": "text", "text": text}
+
+
+def image_part(ref):
+    return {"type": "image", "image": ref}
+
+
+TEXT_EXAMPLE = '{"type": "text", "text": "..."}'
+
+
+def test_content_parts_in_every_spelling_normalize_to_one_form():
+    parts = [
+        {"type": "text", "text": "Compare ", "cache_control": {}},
+        {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "low"}},
+        {"type": "image_url", "image_url": "b.png"},
+        {"type": "image", "image": "c.png"},
+        {"type": "text", "text": "please."},
+    ]
+    record = {"messages": [{"role": "user", "content": parts}, assistant("Same.")]}
+    content = to_messages(record)[0]["content"]
+    assert content == [
+        text_part("Compare "),
+        image_part("https://x/a.png"),
+        image_part("b.png"),
+        image_part("c.png"),
+        text_part("please."),
+    ]
+    assert content_text(content) == "Compare please."
+    assert content_images(content) == ["https://x/a.png", "b.png", "c.png"]
+    # Canonical messages are valid input again.
+    assert to_messages({"messages": to_messages(record)}) == to_messages(record)
+    assert content_text(" as is ") == " as is "
+    assert content_images("<image> is just text") == []
+    assert content_text([]) == "" and content_images([]) == []
+
+
+def test_sharegpt_values_may_be_part_lists_and_images_alone_are_content():
+    picture = [image_part("x.png")]
+    record = {"conversations": [{"from": "human", "value": picture}, {"from": "gpt", "value": "A"}]}
+    assert to_messages(record) == [{"role": "user", "content": picture}, assistant("A")]
+
+
+def test_empty_part_lists_are_empty_content():
+    record = {"messages": [{"role": "user", "content": []}, assistant("x")]}
+    expect_error("empty content", "empty content in user message 1", record)
+    blank = {"role": "assistant", "content": [text_part(" "), text_part("\n")]}
+    message = expect_error("empty assistant answer", "", {"messages": [user("q"), blank]})
+    assert message == "empty assistant answer in message 2"
+
+
+OF_A_TYPE = "expected an object of type 'text', 'image_url' or 'image', e.g. " + TEXT_EXAMPLE
+IMAGE_URL_EXAMPLE = '{"type": "image_url", "image_url": {"url": "cat.png"}}'
+
+
+@pytest.mark.parametrize(
+    ("part", "problem"),
+    [
+        ({"type": "audio", "audio": "a.wav"}, f"has unknown type 'audio'; {OF_A_TYPE}"),
+        ({"text": "no type"}, f"has no 'type'; {OF_A_TYPE}"),
+        ("plain string", f"is str; {OF_A_TYPE}"),
+        (
+            {"type": "text", "content": "x"},
+            f"has no string 'text' (got null); write {TEXT_EXAMPLE}",
+        ),
+        (
+            {"type": "image_url", "image_url": {"uri": "x.png"}},
+            f"needs a string 'image_url.url' (got null); write {IMAGE_URL_EXAMPLE}",
+        ),
+        (
+            {"type": "image_url", "image_url": 7},
+            f"needs a string 'image_url' (got int); write {IMAGE_URL_EXAMPLE}",
+        ),
+        (
+            {"type": "image", "image": ["x.png"]},
+            'needs a string \'image\' (got list); write {"type": "image", "image": "cat.png"}',
+        ),
+        ({"type": "image", "image": " "}, "has an empty 'image'; give an image path or URL"),
+    ],
+)
+def test_bad_content_parts_name_the_part_and_the_fix(part, problem):
+    record = {"messages": [{"role": "user", "content": [text_part("Look:"), part]}, assistant("a")]}
+    message = expect_error("bad content part", "", record)
+    assert message == f"message 1 (user) content part 2 {problem}"
+
+
+def test_content_of_another_type_is_bad_field_type():
+    record = {"messages": [{"role": "user", "content": {"type": "text"}}, assistant("a")]}
+    message = expect_error("bad field type", "", record)
+    assert (
+        message
+        == "message 1 (user) 'content' must be a string or a list of content parts, got dict"
+    )
+
+
+def test_flatten_text_parts_keeps_strings_and_images():
+    messages = [
+        user("plain"),
+        {"role": "user", "content": [text_part("a"), text_part("b")]},
+        {"role": "user", "content": [text_part("c"), image_part("x.png")]},
+    ]
+    assert flatten_text_parts(messages) == [
+        user("plain"),
+        user("ab"),
+        {"role": "user", "content": [text_part("c"), image_part("x.png")]},
+    ]
+    assert messages[1]["content"] == [text_part("a"), text_part("b")]  # input untouched
+
+
+def test_to_text_uses_the_text_of_part_lists():
+    record = {
+        "messages": [
+            {"role": "user", "content": [text_part("Q"), image_part("x.png"), text_part("?")]},
+            assistant("A"),
+        ]
+    }
+    assert to_text(record) == "Q?\n\nA"

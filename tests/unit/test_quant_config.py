@@ -19,7 +19,7 @@ from swiftlm.models.quant import (
     logical_numel,
     silence_quantization_noise,
 )
-from swiftlm.train.pipeline import check_config
+from swiftlm.train.resolve import check_config
 
 
 def train_config(*flags) -> TrainConfig:

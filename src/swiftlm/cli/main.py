@@ -48,7 +48,7 @@ def with_default_recipe(name: str, argv: list[str]) -> list[str]:
     return [recipe, *argv]
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Keep the terminal for swiftlm's own output; library warnings stay available at DEBUG."""
     # Set explicitly, which also silences the library's fork warning. swiftlm tokenizes before
     # anything forks (torchrun starts its workers first), so batch encoding may use all cores.
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         dist_args = getattr(cfg, "dist", None)
         if dist_args is not None and wants_launch(dist_args):
             return launch(dist_args, name, argv, cfg.output.output_dir)
-        _quiet_libraries()
+        quiet_libraries()
         importlib.import_module(module_name).run(cfg)
     except SwiftLMError as exc:
         print(f"swiftlm {name}: error: {exc}", file=sys.stderr)

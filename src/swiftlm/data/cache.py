@@ -2,15 +2,16 @@
 tokenizing.
 
 The cache key is a hash of everything the encoded samples depend on: the content of every
-local data file (not its name or date), the built-in or hub dataset names, the data options
-(max_length, truncation, loss scope, system prompt, split, seeds, placeholders) and the
-tokenizer itself (its full serialized vocabulary and chat template). Change any of them and
+local data file (not its name or date), the built-in or hub dataset names, the data and
+method options (max_length, truncation, loss scope, system prompt, split, seeds, placeholders
+...) and the tokenizer itself (its full serialized vocabulary and chat template). Change any of them and
 the run re-tokenizes into a new entry. Hub datasets are keyed by name only: pass
 `--load_from_cache_file false` after the hub copy changes.
 
 Entries are written to a temporary folder and renamed into place, so an interrupted run never
-leaves a half-written entry behind. Each split is one Arrow IPC file, read memory-mapped with
-pyarrow: a row is decoded when a batch needs it, and the `datasets` import is not paid.
+leaves a half-written entry behind. Each split is one Arrow IPC file holding the columns the
+training method declares plus each sample's token `length`, read memory-mapped with pyarrow:
+a row is decoded when a batch needs it, and the `datasets` import is not paid.
 """
 
 import hashlib
@@ -23,9 +24,10 @@ from pathlib import Path
 
 from swiftlm.data.sources import BUILTIN_DATASETS, builtin_dataset_path, parse_dataset_spec
 
-# Bump when the encoding itself changes (masking rules, truncation), so old entries are unused.
-ENCODING_VERSION = 3
-COLUMNS = ("input_ids", "labels")
+# Bump when the encoding itself or the entry layout changes, so old entries are unused.
+ENCODING_VERSION = 4
+# The stored token length of each sample (batch planning reads it without decoding rows).
+LENGTH_COLUMN = "length"
 
 
 def data_cache_root() -> Path:
@@ -75,12 +77,14 @@ def cache_key(specs: list[str], options: dict, tokenizer) -> str:
 
 
 class ArrowSamples(Sequence):
-    """Encoded samples read from a memory-mapped Arrow file: `samples[i]` is a dict of lists,
-    like the in-memory list it replaces, and only the rows asked for are decoded."""
+    """Encoded samples read from a memory-mapped Arrow file: `samples[i]` is a dict of the
+    declared columns, like the in-memory list it replaces, and only the rows asked for are
+    decoded."""
 
-    def __init__(self, table):
+    def __init__(self, table, columns: Sequence[str]):
         self.table = table
-        self._columns = {name: table.column(name) for name in (*COLUMNS, "length")}
+        self.columns = tuple(columns)
+        self._columns = {name: table.column(name) for name in (*self.columns, LENGTH_COLUMN)}
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -88,51 +92,90 @@ class ArrowSamples(Sequence):
     def __getitem__(self, index: int) -> dict:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        return {name: self._columns[name][index].as_py() for name in COLUMNS}
+        return {name: self._columns[name][index].as_py() for name in self.columns}
 
     @property
     def lengths(self) -> list[int]:
-        return self._columns["length"].to_pylist()
+        """The stored token length of every sample."""
+        return self._columns[LENGTH_COLUMN].to_pylist()
 
 
-def _write_arrow(path: Path, samples: list[dict]) -> None:
+def _narrow_type(value_type, in_list: bool = False):
+    """The inferred type with integers inside lists (token ids) as int32: half the bytes."""
     import pyarrow as pa
 
-    table = pa.table(
-        {
-            **{
-                name: pa.array([s[name] for s in samples], type=pa.list_(pa.int32()))
-                for name in COLUMNS
-            },
-            "length": pa.array([len(s["input_ids"]) for s in samples], type=pa.int32()),
-        }
-    )
+    if pa.types.is_list(value_type) or pa.types.is_large_list(value_type):
+        return pa.list_(_narrow_type(value_type.value_type, in_list=True))
+    return pa.int32() if in_list and pa.types.is_int64(value_type) else value_type
+
+
+def _column_array(values: list, name: str, split: str):
+    """One column as an Arrow array of the inferred type, integer lists narrowed to int32."""
+    import pyarrow as pa
+
+    try:
+        array = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ValueError(
+            f"column {name!r} of split {split!r} mixes value types Arrow cannot store in "
+            f"one column ({exc}); every encoded sample must give it the same type"
+        ) from None
+    narrow = _narrow_type(array.type)
+    try:
+        return array.cast(narrow) if narrow != array.type else array
+    except pa.ArrowInvalid:  # an integer beyond int32: keep int64 rather than wrap around
+        return array
+
+
+def _write_arrow(path: Path, samples: list[dict], columns: Sequence[str], length, split: str):
+    import pyarrow as pa
+
+    arrays = {}
+    for name in columns:
+        try:
+            values = [sample[name] for sample in samples]
+        except KeyError:
+            raise ValueError(
+                f"an encoded sample of split {split!r} has no column {name!r}; the method "
+                f"declares columns {tuple(columns)}"
+            ) from None
+        arrays[name] = _column_array(values, name, split)
+    arrays[LENGTH_COLUMN] = pa.array([length(s) for s in samples], type=pa.int32())
+    table = pa.table(arrays)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
 
 
-def _read_arrow(path: Path) -> ArrowSamples:
+def _read_arrow(path: Path, columns: Sequence[str]) -> ArrowSamples:
     import pyarrow as pa
 
-    return ArrowSamples(pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all())
+    return ArrowSamples(pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all(), columns)
 
 
-def _write_entry(folder: Path, splits: dict[str, list[dict]], meta: dict) -> None:
+def _write_entry(folder: Path, splits: dict[str, list[dict]], meta: dict, length) -> None:
+    """Write every split into a private folder, then rename it into place: a reader sees a
+    whole entry or none, and a failed write leaves nothing behind."""
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    for name, samples in splits.items():
-        _write_arrow(partial / f"{name}.arrow", samples)
-    (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+    try:
+        for name, samples in splits.items():
+            _write_arrow(partial / f"{name}.arrow", samples, meta["columns"], length, name)
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     try:
         partial.rename(folder)
     except OSError:  # another process finished the same entry first: keep theirs
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _read_entry(folder: Path) -> tuple[dict, dict]:
+def _read_entry(folder: Path, columns: tuple[str, ...]) -> tuple[dict, dict]:
     meta = json.loads((folder / "meta.json").read_text())
-    splits = {name: _read_arrow(folder / f"{name}.arrow") for name in meta["splits"]}
+    if tuple(meta["columns"]) != columns:
+        raise ValueError(f"it holds columns {tuple(meta['columns'])}, not {columns}")
+    splits = {name: _read_arrow(folder / f"{name}.arrow", columns) for name in meta["splits"]}
     return splits, meta
 
 
@@ -140,16 +183,27 @@ def load_or_encode(
     folder: Path,
     encode: Callable[[], tuple[dict[str, list[dict]], list[str]]],
     log: Callable[[str], None],
-) -> dict:
+    *,
+    columns: Sequence[str],
+    length: Callable[[dict], int],
+) -> dict[str, ArrowSamples]:
     """The encoded splits from `folder`, or from `encode()` (then saved to `folder`).
 
-    `encode` returns ({split name: samples}, log lines); the lines are stored and printed
-    again on a cache hit, so a cached run reports the same truncation and skipped rows.
+    `encode` returns ({split name: encoded samples}, log lines); the lines are stored and
+    printed again on a cache hit, so a cached run reports the same truncation and skipped
+    rows. Every encoded sample holds `columns` (other keys are not stored); `length(sample)`
+    is stored per sample for batch planning (see sample_lengths). Column types are inferred
+    (ints, floats, strings, lists, nested lists ...), with integers inside lists as int32.
+    Either way the splits are read back memory-mapped, so a first run and a cached run see
+    identical samples.
     """
+    columns = tuple(columns)
+    if LENGTH_COLUMN in columns:
+        raise ValueError(f"the column name {LENGTH_COLUMN!r} is reserved for sample lengths")
     if (folder / "meta.json").is_file():
         started = time.perf_counter()
         try:
-            splits, meta = _read_entry(folder)
+            splits, meta = _read_entry(folder, columns)
         except Exception as exc:  # noqa: BLE001 - any unreadable entry is rebuilt, not fatal
             log(f"tokenized-data cache entry {folder} is unreadable ({exc!r}); re-tokenizing")
             shutil.rmtree(folder, ignore_errors=True)
@@ -166,15 +220,20 @@ def load_or_encode(
     for line in lines:
         log(line)
     seconds = time.perf_counter() - started
-    meta = {"splits": list(splits), "log": lines, "encode_seconds": seconds}
+    meta = {
+        "splits": list(splits),
+        "columns": list(columns),
+        "log": lines,
+        "encode_seconds": seconds,
+    }
     folder.parent.mkdir(parents=True, exist_ok=True)
-    _write_entry(folder, splits, meta)
+    _write_entry(folder, splits, meta, length)
     log(f"tokenized data in {seconds:.2f} s, cached at {folder}")
-    return splits
+    return _read_entry(folder, columns)[0]
 
 
-def sample_lengths(samples) -> list[int]:
-    """Token lengths of encoded samples: a cached file's column, or counted from a list."""
+def sample_lengths(samples: Sequence[dict], length: Callable[[dict], int]) -> list[int]:
+    """Token lengths of encoded samples: a cached file's stored column, else `length` of each."""
     if isinstance(samples, ArrowSamples):
         return samples.lengths
-    return [len(s["input_ids"]) for s in samples]
+    return [length(sample) for sample in samples]

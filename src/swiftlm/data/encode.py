@@ -6,6 +6,9 @@ rendering `messages[:k+1]` adds to rendering `messages[:k]` with the generation 
 works for any template where a conversation's rendering extends its prefixes' (true for
 ChatML, Llama 3, Mistral, SmolLM, Qwen2 ...), and needs no per-model code. A template that
 rewrites earlier turns (e.g. strips past reasoning) is reported, not silently mis-masked.
+
+Content given as a list of text parts is flattened to its string first, so it renders exactly
+like the equivalent string, also with templates that only handle string content.
 """
 
 from collections import Counter
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from swiftlm.data.formats import content_images, flatten_text_parts
 from swiftlm.errors import DataError
 from swiftlm.models.templates import end_of_turn_token
 
@@ -34,6 +38,19 @@ class TruncationReport:
         return f"samples longer than --max_length {self.max_length} ({self.strategy}): {parts}"
 
 
+def _text_messages(messages: list[dict]) -> list[dict]:
+    """Messages with string contents only (text parts flattened); images are refused."""
+    flat = flatten_text_parts(messages)
+    for index, message in enumerate(flat, start=1):
+        if not isinstance(message["content"], str):
+            count = len(content_images(message["content"]))
+            raise DataError(
+                f"message {index} has {count} image(s), which text-only chat encoding "
+                "cannot use; remove its image parts"
+            )
+    return flat
+
+
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -52,6 +69,7 @@ def assistant_char_spans(
     tokenizer, messages: list[dict], scope: str, end_of_turn: str | None = None
 ) -> tuple[str, list]:
     """Render a conversation and return (text, [(start, end) char spans that carry loss])."""
+    messages = _text_messages(messages)
     text = _render(tokenizer, messages, add_generation_prompt=False)
     if scope == "all":
         return text, [(0, len(text))]

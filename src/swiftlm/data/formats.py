@@ -1,6 +1,10 @@
 """Detect a row's dataset format and normalize it to canonical chat messages or plain text.
 
-Canonical messages are `[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]`.
+Canonical messages are `[{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]`
+where content is a string, or a list of canonical content parts when the row gave a list:
+`{"type": "text", "text": str}` and `{"type": "image", "image": str}` (a path or URL). Rows
+may write parts OpenAI-style (`{"type": "image_url", "image_url": {"url": ...}}`, or
+`"image_url": "..."`) or ms-swift-style (`{"type": "image", "image": ...}`).
 Accepted row formats, tried in this order:
 
 - messages: `{"messages": [{"role": ..., "content": ...}, ...]}` (OpenAI / ms-swift style)
@@ -10,6 +14,8 @@ Accepted row formats, tried in this order:
 
 A field whose value is None counts as absent (parquet and hub datasets fill missing
 columns with None). Problems raise `RowError`, whose `kind` is a short category for counting.
+
+`chat_sample` and `text_sample` are the row schemas training methods build on.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ ROW_ERROR_KINDS = (
     "no answer",
     "empty text",
     "bad field type",
+    "bad content part",
 )
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -56,6 +63,13 @@ SHAREGPT_ROLES = {
 
 SHAREGPT_ROLE_NAMES = "human, gpt, system, tool, function or observation"
 
+PART_TYPES = "'text', 'image_url' or 'image'"
+PART_EXAMPLES = {
+    "text": '{"type": "text", "text": "..."}',
+    "image_url": '{"type": "image_url", "image_url": {"url": "cat.png"}}',
+    "image": '{"type": "image", "image": "cat.png"}',
+}
+
 ACCEPTED_FORMATS = (
     "'messages' (role/content list), 'conversations' (ShareGPT), "
     "'instruction' + 'output' (Alpaca), 'query' + 'response'"
@@ -79,6 +93,67 @@ class RowError(ValueError):
         self.kind = kind
 
 
+def chat_sample(
+    record: dict,
+    *,
+    require_answer: bool = True,
+    system: str | None = None,
+    placeholders: dict[str, str] | None = None,
+) -> dict:
+    """The chat row schema: one row -> `{"messages": [...]}`, validated (raises RowError).
+
+    `system` is inserted first in a conversation without a system message; each
+    `placeholders` key (e.g. "{{NAME}}") is replaced by its value in all text content,
+    text parts included. Both apply after validation, so a placeholder that empties a
+    message does not make the row invalid.
+    """
+    messages = to_messages(record, require_answer=require_answer)
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    if placeholders:
+        messages = [
+            {**message, "content": _fill(message["content"], placeholders)} for message in messages
+        ]
+    return {"messages": messages}
+
+
+def text_sample(record: dict) -> dict:
+    """The pre-training row schema: one row -> `{"text": str}` (see to_text; raises RowError).
+
+    Placeholders are not applied: code corpora may contain "{{...}}" as written.
+    """
+    return {"text": to_text(record)}
+
+
+def content_text(content: str | list[dict]) -> str:
+    """The text of canonical content: a string as is, text parts joined with no separator
+    (what chat templates that iterate over parts render)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part["type"] == "text")
+
+
+def content_images(content: str | list[dict]) -> list[str]:
+    """The image references (paths or URLs) of canonical content, in order."""
+    if isinstance(content, str):
+        return []
+    return [part["image"] for part in content if part["type"] == "image"]
+
+
+def flatten_text_parts(messages: list[dict]) -> list[dict]:
+    """Copy of canonical messages with every text-only part list replaced by its string.
+
+    Templates written for string content then render such a message exactly like the
+    equivalent string; contents with images keep their parts.
+    """
+    return [
+        message
+        if isinstance(message["content"], str) or content_images(message["content"])
+        else {**message, "content": content_text(message["content"])}
+        for message in messages
+    ]
+
+
 def to_messages(record: dict, *, require_answer: bool = True) -> list[dict]:
     """Normalize one row of any accepted chat format to checked canonical messages.
 
@@ -93,7 +168,8 @@ def to_text(record: dict) -> str:
     """Return the pre-training text of one row.
 
     Uses the `text` field; a row without one but in a chat format is accepted too, its
-    message contents joined with blank lines ("\\n\\n"), in order and without role names.
+    message texts joined with blank lines ("\\n\\n"), in order and without role names
+    (images are left out).
     """
     text = record.get("text")
     if text is None:
@@ -104,7 +180,8 @@ def to_text(record: dict) -> str:
                 f"no recognizable format: found keys {keys}; expected 'text' or a chat "
                 f"format: {ACCEPTED_FORMATS}",
             )
-        text = "\n\n".join(m["content"] for m in _convert(record) if m["content"].strip())
+        texts = (content_text(message["content"]) for message in _convert(record))
+        text = "\n\n".join(part for part in texts if part.strip())
     if not isinstance(text, str):
         raise RowError("bad field type", f"'text' must be a string, got {_type(text)}")
     if not text.strip():
@@ -158,9 +235,9 @@ def _check_order(previous: str | None, role: str, index: int) -> None:
         )
 
 
-def _check_content(role: str, content: str, index: int) -> None:
+def _check_content(role: str, content: str | list[dict], index: int) -> None:
     # An empty system prompt is harmless; an empty turn teaches or asks nothing.
-    if role == "system" or content.strip():
+    if role == "system" or content_text(content).strip() or content_images(content):
         return
     if role == "assistant":
         raise RowError("empty assistant answer", f"empty assistant answer in message {index}")
@@ -228,7 +305,9 @@ def _from_role_list(turns: Any, field: str, role_key: str, content_key: str) -> 
     return messages
 
 
-def _message_fields(turn: Any, index: int, role_key: str, content_key: str) -> tuple[str, str]:
+def _message_fields(
+    turn: Any, index: int, role_key: str, content_key: str
+) -> tuple[str, str | list[dict]]:
     if not isinstance(turn, dict):
         raise RowError(
             "bad field type",
@@ -240,12 +319,57 @@ def _message_fields(turn: Any, index: int, role_key: str, content_key: str) -> t
         raise RowError(
             "bad field type", f"message {index} has no string {role_key!r} (got {_type(role)})"
         )
+    where = f"message {index} ({role})"
+    if isinstance(content, list):
+        return role, [_part(part, f"{where} content part {n}") for n, part in enumerate(content, 1)]
     if not isinstance(content, str):
+        # A null is most often a missing answer: name the plain fix first.
+        expected = "a string" if content is None else "a string or a list of content parts"
         raise RowError(
-            "bad field type",
-            f"message {index} ({role}) {content_key!r} must be a string, got {_type(content)}",
+            "bad field type", f"{where} {content_key!r} must be {expected}, got {_type(content)}"
         )
     return role, content
+
+
+def _part(part: Any, where: str) -> dict:
+    """One content part -> its canonical form; raise RowError naming the part and the fix."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise RowError(
+                "bad content part",
+                f"{where} has no string 'text' (got {_type(text)}); write {PART_EXAMPLES['text']}",
+            )
+        return {"type": "text", "text": text}
+    if kind in ("image_url", "image"):
+        return {"type": "image", "image": _image_reference(part, kind, where)}
+    if not isinstance(part, dict):
+        problem = f"is {_type(part)}"
+    elif kind is None:
+        problem = "has no 'type'"
+    else:
+        problem = f"has unknown type {kind!r}"
+    raise RowError(
+        "bad content part",
+        f"{where} {problem}; expected an object of type {PART_TYPES}, e.g. {PART_EXAMPLES['text']}",
+    )
+
+
+def _image_reference(part: dict, kind: str, where: str) -> str:
+    value, field = part.get(kind), repr(kind)
+    if kind == "image_url" and isinstance(value, dict):
+        value, field = value.get("url"), "'image_url.url'"
+    if not isinstance(value, str):
+        raise RowError(
+            "bad content part",
+            f"{where} needs a string {field} (got {_type(value)}); write {PART_EXAMPLES[kind]}",
+        )
+    if not value.strip():
+        raise RowError(
+            "bad content part", f"{where} has an empty {field}; give an image path or URL"
+        )
+    return value
 
 
 def _history(record: dict) -> list[dict]:
@@ -293,6 +417,18 @@ def _string(record: dict, key: str, required: bool = True) -> str:
     if not isinstance(value, str):
         raise RowError("bad field type", f"{key!r} must be a string, got {_type(value)}")
     return value
+
+
+def _fill(content: str | list[dict], placeholders: dict[str, str]) -> str | list[dict]:
+    """Replace each placeholder key by its value in a string or in the text parts."""
+    if not isinstance(content, str):
+        return [
+            {**part, "text": _fill(part["text"], placeholders)} if part["type"] == "text" else part
+            for part in content
+        ]
+    for key, value in placeholders.items():
+        content = content.replace(key, value)
+    return content
 
 
 def _present(record: dict, *keys: str) -> bool:

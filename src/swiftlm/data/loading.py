@@ -1,4 +1,4 @@
-"""Load, validate, sample and split datasets into canonical samples.
+"""Load, validate, sample and split datasets into samples of a method's row schema.
 
 Every row of every dataset is read and validated before anything is returned, so a bad
 row stops the run before the first training step, with all bad rows listed as
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
-from swiftlm.data.formats import RowError, to_messages, to_text
+from swiftlm.data.formats import RowError
 from swiftlm.data.sources import NOT_AN_OBJECT, RawRow, parse_dataset_spec, read_rows
 from swiftlm.errors import DataError
 
@@ -75,27 +75,23 @@ class DataValidationError(DataError):
 
 def load_samples(
     specs: list[str],
-    kind: Literal["chat", "text"],
+    to_sample: Callable[[dict], dict],
     *,
     skip_bad_rows: bool = False,
     seed: int = 42,
-    system: str | None = None,
-    placeholders: dict[str, str] | None = None,
-    require_answer: bool = True,
 ) -> tuple[list[dict], LoadReport]:
     """Read, validate and mix datasets into samples, in spec order (the loop shuffles).
 
-    Chat samples are `{"messages": [...], "source": "path:line"}`, text samples
-    `{"text": str, "source": "path:line"}`. Every row is validated first; bad rows raise
-    DataValidationError unless `skip_bad_rows`, which drops them and counts them in the
-    report. Then, for chat samples, `system` is inserted first in conversations without a
-    system message, and each `placeholders` key (e.g. "{{NAME}}") is replaced by its value
-    in all message contents of every dataset. Text samples are left as written (code
-    corpora may contain "{{...}}"). A `path#N` spec then contributes N samples: a seeded
-    subset when N <= its size, otherwise every row repeated plus a seeded remainder.
+    `to_sample(record) -> dict` is the method's row schema (e.g. formats.chat_sample): it
+    turns one row into a sample or raises RowError. Loading adds `"source": "path:line"` to
+    each sample. Every row of every spec is converted first; bad rows (including invalid
+    JSON/CSV and rows that are not objects) raise DataValidationError unless
+    `skip_bad_rows`, which drops them and counts them in the report. A `path#N` spec then
+    contributes N samples: a seeded subset when N <= its size, otherwise every row repeated
+    plus a seeded remainder.
     """
     report = LoadReport()
-    per_spec = [_validate(spec, kind, require_answer, report) for spec in specs]
+    per_spec = [_validate(spec, to_sample, report) for spec in specs]
     if report.bad_rows:
         if not skip_bad_rows:
             raise DataValidationError(report.bad_rows, report.total_rows)
@@ -109,44 +105,30 @@ def load_samples(
         samples += valid
     if not samples:
         raise DataError(f"no valid samples in dataset(s) {', '.join(specs) or '(none given)'}")
-    if kind == "chat":
-        samples = [_fill_chat(sample, system, placeholders or {}) for sample in samples]
     return samples, report
 
 
-def _validate(spec: str, kind: str, require_answer: bool, report: LoadReport) -> list[dict]:
+def _validate(spec: str, to_sample: Callable[[dict], dict], report: LoadReport) -> list[dict]:
     """Convert every row of one spec; bad rows go to report.bad_rows with their reason."""
     path, _ = parse_dataset_spec(spec)
     valid = []
     for row in read_rows(path):
         report.rows_read[row.source] += 1
         try:
-            valid.append(_to_sample(row, kind, require_answer))
+            valid.append({**to_sample(_record(row)), "source": f"{row.source}:{row.line}"})
         except RowError as e:
             report.bad_rows.append(BadRow(row.source, row.line, str(e), e.kind))
     return valid
 
 
-def _to_sample(row: RawRow, kind: str, require_answer: bool) -> dict:
-    if row.record is None:
-        error = row.error or "unreadable row"
-        if error == NOT_AN_OBJECT:
-            raise RowError("not an object", error)
-        raise RowError("invalid CSV" if error.startswith("invalid CSV") else "invalid JSON", error)
-    source = f"{row.source}:{row.line}"
-    if kind == "text":
-        return {"text": to_text(row.record), "source": source}
-    return {"messages": to_messages(row.record, require_answer=require_answer), "source": source}
-
-
-def _fill_chat(sample: dict, system: str | None, placeholders: dict[str, str]) -> dict:
-    messages = [dict(message) for message in sample["messages"]]
-    if system and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system})
-    for message in messages:
-        for key, value in placeholders.items():
-            message["content"] = message["content"].replace(key, value)
-    return {**sample, "messages": messages}
+def _record(row: RawRow) -> dict:
+    """The parsed object of a raw row; a row that could not be read raises its RowError."""
+    if row.record is not None:
+        return row.record
+    error = row.error or "unreadable row"
+    if error == NOT_AN_OBJECT:
+        raise RowError("not an object", error)
+    raise RowError("invalid CSV" if error.startswith("invalid CSV") else "invalid JSON", error)
 
 
 def sample_rows(rows: list, count: int, seed: int | str) -> list:

@@ -9,9 +9,11 @@ out of the prompt and stored as `labels` (the reference answer).
 import json
 import time
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 from swiftlm.config import InferConfig
+from swiftlm.data.formats import chat_sample
 from swiftlm.data.loading import load_samples
 from swiftlm.errors import ConfigError
 from swiftlm.infer.engine import InferEngine
@@ -43,14 +45,12 @@ def run_batch(engine: InferEngine, cfg: InferConfig, spec: InferenceModel) -> li
 
 def load_prompts(cfg: InferConfig, system: str | None) -> list[dict]:
     """The `--val_dataset` conversations; they may end with a user message (no answer)."""
+    placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
     samples, report = load_samples(
         cfg.data.val_dataset,
-        "chat",
+        partial(chat_sample, require_answer=False, system=system, placeholders=placeholders),
         skip_bad_rows=cfg.data.skip_bad_rows,
         seed=cfg.data.data_seed,
-        system=system,
-        placeholders={"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author},
-        require_answer=False,
     )
     if report.skipped:
         print(f"--val_dataset: {report.summary()}", flush=True)

@@ -1,0 +1,13 @@
+"""Training methods, one module each. A new method is a module here and one line below.
+
+`METHODS` maps a method name (the subcommand, later `--rlhf_type`) to its class; the class
+is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`.
+"""
+
+from swiftlm.methods.pt import PT
+from swiftlm.methods.sft import SFT
+
+METHODS = {
+    "sft": SFT,
+    "pt": PT,
+}

@@ -1,0 +1,70 @@
+"""`swiftlm sft`: supervised fine-tuning on conversations, with loss on the assistant turns.
+
+Rows are conversations in any format `data.formats` reads (messages, sharegpt, alpaca, ...);
+the loss is the mean next-token cross-entropy over the label tokens chosen by --loss_scope.
+"""
+
+from swiftlm.config import TrainConfig
+from swiftlm.data.encode import encode_chat_samples
+from swiftlm.data.formats import RowError, chat_sample, content_images
+from swiftlm.methods import token
+from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
+
+
+class SFT:
+    name = "sft"
+    columns = ("input_ids", "labels")
+    supports_packing = True
+    # `swiftlm sft` with neither --model nor --dataset: teach the packaged SmolLM2 a new name,
+    # mixed with ordinary Q&A so it keeps answering other questions.
+    default_datasets = ("swiftlm/self-cognition", "swiftlm/general-qa")
+
+    def __init__(self, cfg: TrainConfig, tokenizer):
+        self.data, self.tokenizer = cfg.data, tokenizer
+        self.placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
+        self.token_pads = token.token_pads(tokenizer.pad_token_id)
+        self.loss_fn = token.TokenLoss(cfg.train.fused_cross_entropy)
+
+    def to_sample(self, record: dict) -> dict:
+        sample = chat_sample(record, system=self.data.system, placeholders=self.placeholders)
+        if any(content_images(m["content"]) for m in sample["messages"]):
+            raise RowError(
+                "image content",
+                "has image parts: `swiftlm sft` trains text-only models; drop the images or "
+                "use a vision-language model once multimodal training is available",
+            )
+        return sample
+
+    def encode(self, samples: list[dict]) -> EncodeResult:
+        d = self.data
+        encoded, truncation = encode_chat_samples(
+            self.tokenizer, samples, d.max_length, d.truncation_strategy, d.loss_scope
+        )
+        return EncodeResult(encoded, [truncation.summary()] if truncation.summary() else [])
+
+    def cache_options(self) -> dict:
+        d = self.data
+        return {
+            "method": self.name,
+            "max_length": d.max_length,
+            "truncation_strategy": d.truncation_strategy,
+            "loss_scope": d.loss_scope,
+            "system": d.system,
+            "placeholders": list(self.placeholders.values()),
+        }
+
+    length = staticmethod(token.token_lengths)
+    masked = staticmethod(token.without_labels)
+    normalizer = staticmethod(token.label_tokens)
+
+    def collate(self, layout: Layout) -> Batch:
+        return token.collate_tokens(layout, self.tokenizer.pad_token_id)
+
+    def prepare_model(self, model, log) -> None:
+        self.loss_fn.prepare_model(model, log)
+
+    def loss(self, model, batch: Batch) -> LossOutput:
+        return self.loss_fn(model, batch)
+
+    def pipeline_loss(self, logits, batch: Batch) -> LossOutput:
+        return token.TokenLoss.from_logits(logits, batch)

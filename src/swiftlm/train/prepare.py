@@ -1,0 +1,133 @@
+"""The data, model and batch plan of a training run, each prepared for the run's method."""
+
+from pathlib import Path
+
+import torch
+
+from swiftlm.config import TrainConfig
+from swiftlm.data.cache import cache_key, data_cache_root, load_or_encode
+from swiftlm.data.loading import load_samples, split_samples
+from swiftlm.methods.base import Method
+from swiftlm.models.attention import training_attention
+from swiftlm.models.loader import load_model
+from swiftlm.models.quant import bnb_config, prepare_for_quantized_training
+from swiftlm.train.batching import build_batch_plan
+from swiftlm.tuners.setup import apply_tuner
+
+
+def load_splits(cfg: TrainConfig, method: Method, log) -> tuple[list[dict], list[dict]]:
+    """Read and validate every row with the method's schema, then split off validation."""
+    d = cfg.data
+    options = dict(skip_bad_rows=d.skip_bad_rows, seed=d.data_seed)
+    train, report = load_samples(d.dataset, method.to_sample, **options)
+    if report.skipped:
+        log(report.summary())
+    if not d.val_dataset:
+        return split_samples(train, d.split_dataset_ratio, d.data_seed)
+    val, _ = load_samples(d.val_dataset, method.to_sample, **options)
+    return train, val
+
+
+def _data_cache_folder(cfg: TrainConfig, method: Method, tokenizer) -> Path:
+    d = cfg.data
+    options = {
+        **method.cache_options(),
+        "columns": list(method.columns),
+        "skip_bad_rows": d.skip_bad_rows,
+        "data_seed": d.data_seed,
+        "split_dataset_ratio": d.split_dataset_ratio,
+        "val_dataset": d.val_dataset,
+    }
+    key = cache_key([*d.dataset, *d.val_dataset], options, tokenizer)
+    return data_cache_root() / key
+
+
+def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple:
+    """Encoded (train, validation) samples, from the Arrow cache when an earlier run made them.
+
+    Rank 0 encodes and writes the cache; the other ranks wait, then read it.
+    """
+
+    def encode() -> tuple[dict, list[str]]:
+        lines: list[str] = []
+        splits = {}
+        for name, samples in zip(("train", "val"), load_splits(cfg, method, lines.append)):
+            result = method.encode(samples) if samples else None
+            splits[name] = result.samples if result else []
+            lines += result.log if result else []
+        return splits, lines
+
+    if not cfg.data.load_from_cache_file:
+        splits, lines = encode()
+        for line in lines:
+            log(line)
+    else:
+        folder = _data_cache_folder(cfg, method, tokenizer)
+        cached = dict(columns=method.columns, length=method.length)
+        splits = load_or_encode(folder, encode, log, **cached) if ctx.is_main else None
+        ctx.broadcast_object(None)  # the other ranks wait for rank 0's entry, then read it
+        if not ctx.is_main:
+            splits = load_or_encode(folder, encode, log, **cached)
+    # Evaluation slices its samples: a plain list (validation sets are small).
+    return splits["train"], list(splits["val"])
+
+
+def prepare_model(
+    cfg: TrainConfig, model_path: str, device: torch.device, compute_dtype: torch.dtype
+):
+    """Load the model and make the tuner's parameters trainable."""
+    # Frozen base weights can live in the compute dtype; weights that train stay float32
+    # (peft keeps adapters in float32) so small updates are not lost to rounding.
+    full = cfg.tuner.train_type == "full"
+    weight_dtype = torch.float32 if full or compute_dtype == torch.float16 else compute_dtype
+    from transformers import AutoConfig
+
+    packed = cfg.train.packing or cfg.train.padding_free
+    config = AutoConfig.from_pretrained(model_path)
+    attention = training_attention(cfg.model.attn_impl, device, packed, config, cfg.data.max_length)
+    # QLoRA: the frozen Linear weights load quantized, their matmuls run in the compute dtype.
+    quantization = bnb_config(cfg.quant, compute_dtype) if cfg.quant.quant_method else None
+    model = load_model(model_path, weight_dtype, device, attention, quantization)
+    if quantization is not None:
+        model = prepare_for_quantized_training(model)
+    model.config.use_cache = False
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = apply_tuner(model, cfg.tuner)
+    if cfg.train.torch_compile:
+        compile_decoder_layers(model)
+    return model
+
+
+def compile_decoder_layers(model) -> int:
+    """torch.compile each decoder layer in place: parameter names and state dicts stay as
+    they are (checkpoints, adapters and FSDP wrapping see the usual modules), and the one
+    compiled graph is reused by every layer of the same shape."""
+    import shutil
+
+    from swiftlm.errors import ConfigError
+
+    if not torch.cuda.is_available() and not (shutil.which("g++") or shutil.which("c++")):
+        raise ConfigError(
+            "--torch_compile on CPU needs a C++ compiler (g++) for torch.compile's inductor; "
+            "install one (e.g. apt install g++) or drop --torch_compile"
+        )
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ConfigError("--torch_compile: this model has no decoder `layers` to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
+def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int):
+    t = cfg.train
+    return build_batch_plan(
+        lengths,
+        t.per_device_train_batch_size,
+        dp_size,
+        t.seed,
+        pack_to=cfg.data.max_length if t.packing else 0,
+        max_tokens=t.max_tokens_per_batch,
+        padding_free=t.padding_free,
+    )

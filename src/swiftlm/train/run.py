@@ -1,0 +1,116 @@
+"""A training command top to bottom: config -> model -> data (the method's) -> loop -> final/.
+
+`swiftlm sft` and `swiftlm pt` are `run_method(cfg, SFT)` and `run_method(cfg, PT)`; any
+class that satisfies `methods.base.Method` runs the same way.
+"""
+
+from pathlib import Path
+
+from swiftlm.config import TrainConfig, save_config
+from swiftlm.data.cache import sample_lengths
+from swiftlm.distributed.env import init_distributed, shutdown_distributed
+from swiftlm.distributed.heartbeat import Heartbeat
+from swiftlm.distributed.strategy import build_strategy
+from swiftlm.models.loader import load_tokenizer, pick_device, pick_dtype, resolve_model
+from swiftlm.models.quant import describe_bnb
+from swiftlm.monitor.metrics import format_summary
+from swiftlm.monitor.mfu import flops_per_token, peak_flops
+from swiftlm.train.batching import describe_plan
+from swiftlm.train.loop import TrainingJob, run_training
+from swiftlm.train.prepare import make_batch_plan, prepare_data, prepare_model
+from swiftlm.train.resolve import (
+    check_config,
+    resolve_auto_batch,
+    resolve_defaults,
+    resolve_padding_free,
+    resume_after_restart,
+)
+from swiftlm.tuners.setup import count_parameters
+
+
+def _silent(_: str) -> None:
+    """Logging on ranks other than 0."""
+
+
+def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
+    """Train with `method_cls` (built as `method_cls(cfg, tokenizer)`); return the summary."""
+    from transformers import set_seed
+
+    check_config(cfg)
+    ctx = init_distributed(cfg.dist.dist_timeout)
+    log = log if ctx.is_main else _silent
+    resolved = resolve_model(cfg.model.model) if ctx.is_main else None
+    resolved = ctx.broadcast_object(resolved)  # rank 0 converts a GGUF once; others reuse it
+    cfg = resume_after_restart(resolve_defaults(cfg, method_cls, resolved.name))
+    run_dir = Path(cfg.output.output_dir)
+    device = pick_device(cfg.model.device, ctx.local_rank)
+    compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
+    cfg = resolve_padding_free(cfg, device, method_cls)
+    strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train, cfg.data.max_length)
+    log(
+        f"model {resolved.requested} on {device} x {ctx.world_size} ({type(strategy).__name__}, "
+        f"{str(compute_dtype).replace('torch.', '')} compute)"
+    )
+    tokenizer = load_tokenizer(resolved.path)
+    method = method_cls(cfg, tokenizer)
+    train_data, val_data = prepare_data(cfg, method, tokenizer, ctx, log)
+    log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
+    set_seed(cfg.train.seed)  # the same initial weights on every rank
+    model = prepare_model(cfg, resolved.path, device, compute_dtype)
+    trainable, total = count_parameters(model)
+    log(
+        f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / total:.2f}%)"
+    )
+    if cfg.quant.quant_method:
+        log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
+    method.prepare_model(model, log)
+    if cfg.train.per_device_train_batch_size == 0:
+        placement = (device, compute_dtype)
+        cfg = resolve_auto_batch(cfg, model, method.loss, placement, ctx, log)
+    lengths = sample_lengths(train_data, method.length)
+    flops = flops_per_token(
+        model, int(sum(lengths) / len(lengths)), cfg.train.gradient_checkpointing
+    )
+    if ctx.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+    batch_plan = make_batch_plan(cfg, lengths, strategy.dp_size)
+    log(describe_plan(batch_plan, cfg.data.max_length))
+    job = TrainingJob(
+        model=strategy.wrap(model),
+        tokenizer=tokenizer,
+        method=method,
+        train_data=train_data,
+        val_data=val_data,
+        device=device,
+        compute_dtype=compute_dtype,
+        args=cfg.train,
+        output=cfg.output,
+        run_dir=run_dir,
+        strategy=strategy,
+        batch_plan=batch_plan,
+        flops_per_token=flops,
+        peak_flops=peak_flops(device, compute_dtype) * ctx.world_size,
+        heartbeat=Heartbeat(ctx, cfg.dist.heartbeat_timeout, run_dir) if ctx.distributed else None,
+        log=log,
+    )
+    summary = _train_and_save(job)
+    log(format_summary(summary))
+    return summary
+
+
+def _train_and_save(job: TrainingJob) -> dict:
+    """The loop, then final/; the heartbeat and the process group always shut down."""
+    try:
+        if job.heartbeat:
+            job.heartbeat.start()
+        summary = run_training(job)
+        if job.heartbeat:
+            job.heartbeat.beat(summary["steps"], "final save")
+        job.strategy.save_final(job.model, job.tokenizer, job.run_dir / "final")
+    finally:
+        if job.heartbeat:
+            job.heartbeat.stop()
+        shutdown_distributed()
+    summary["output"] = str(job.run_dir / "final")
+    return summary

@@ -1,0 +1,86 @@
+"""What a checkpoint stores besides tensors, and the resume/save steps of the loop."""
+
+from dataclasses import dataclass, field
+
+from swiftlm.train import checkpoint as ckpt  # TEMP until swiftlm.checkpoint lands
+from swiftlm.train.batching import DataPosition
+
+
+@dataclass
+class LoopState:
+    """The loop's counters; saved in every checkpoint and restored on resume."""
+
+    step: int = 0
+    position: DataPosition = field(default_factory=DataPosition)
+    tokens_seen: int = 0
+    label_tokens_seen: int = 0
+    train_seconds: float = 0.0
+    last_loss: float | None = None
+    last_eval_loss: float | None = None
+    skipped_steps: int = 0
+
+    def to_json(self, num_samples: int, scheduler, scaler) -> dict:
+        return {
+            "step": self.step,
+            "epoch": self.position.epoch,
+            "micro_batch": self.position.micro_batch,
+            "tokens_seen": self.tokens_seen,
+            "label_tokens_seen": self.label_tokens_seen,
+            "train_seconds": self.train_seconds,
+            "last_loss": self.last_loss,
+            "last_eval_loss": self.last_eval_loss,
+            "skipped_steps": self.skipped_steps,
+            "num_train_samples": num_samples,
+            "scheduler": scheduler.state_dict(),
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, saved: dict) -> "LoopState":
+        return cls(
+            step=saved["step"],
+            position=DataPosition(saved["epoch"], saved["micro_batch"]),
+            tokens_seen=saved["tokens_seen"],
+            label_tokens_seen=saved.get("label_tokens_seen", 0),
+            train_seconds=saved["train_seconds"],
+            last_loss=saved["last_loss"],
+            last_eval_loss=saved["last_eval_loss"],
+            skipped_steps=saved["skipped_steps"],
+        )
+
+
+def resume(job, optimizer, scheduler, scaler) -> LoopState:
+    """The state of --resume_from_checkpoint, with weights and optimizer loaded; a fresh
+    state when there is nothing to resume."""
+    spec = job.output.resume_from_checkpoint
+    if not spec:
+        return LoopState()
+    folder, skipped = ckpt.find_resume_checkpoint(job.run_dir, spec)
+    for bad in skipped:
+        job.log(
+            f"skipping incomplete checkpoint {bad} (no COMPLETE marker: interrupted while saving)"
+        )
+    if folder is None:
+        job.log(f"no complete checkpoint in {job.run_dir / 'checkpoints'}; starting from scratch")
+        return LoopState()
+    saved = ckpt.load_checkpoint(folder, job.strategy, job.model, optimizer, job.log)
+    if saved["num_train_samples"] != len(job.train_data):
+        raise ckpt.CheckpointError(
+            f"{folder} was saved with {saved['num_train_samples']} training samples, this run has "
+            f"{len(job.train_data)}: resume needs the same data and --max_length"
+        )
+    scheduler.load_state_dict(saved["scheduler"])
+    if scaler and saved["grad_scaler"]:
+        scaler.load_state_dict(saved["grad_scaler"])
+    job.log(f"resumed from {folder} at step {saved['step']}")
+    return LoopState.from_json(saved)
+
+
+def save(job, optimizer, scheduler, scaler, state: LoopState) -> None:
+    """A complete checkpoint of this step; old ones pruned to --save_total_limit."""
+    folder = ckpt.checkpoint_dir(job.run_dir, state.step)
+    payload = state.to_json(len(job.train_data), scheduler, scaler)
+    ckpt.save_checkpoint(folder, job.strategy, job.model, optimizer, payload, job.tokenizer)
+    if job.strategy.ctx.is_main:
+        for removed in ckpt.prune_checkpoints(job.run_dir, job.output.save_total_limit):
+            job.log(f"removed old checkpoint {removed.name}")
