@@ -44,12 +44,10 @@ FORMATS = {
 CALIBRATED = ("gptq-4", "gptq-8", "awq-4")
 
 
-def folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
 def artifact_bytes(name: str, folder: Path) -> int:
     """What a user ships: the GGUF file alone, or the whole folder (weights + tokenizer)."""
+    from swiftlm.export.checks import folder_bytes
+
     if name.startswith("gguf"):
         return sum(f.stat().st_size for f in folder.glob("*.gguf"))
     return folder_bytes(folder)
@@ -71,7 +69,7 @@ def load_artifact(kind: str, folder: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if kind == "onnx":
-        from swiftlm.export.onnx import OnnxCausalLM  # feeds an empty KV cache
+        from swiftlm.export.onnx_check import OnnxCausalLM  # feeds an empty KV cache
 
         return OnnxCausalLM(folder / "model.onnx"), AutoTokenizer.from_pretrained(folder)
     gguf = sorted(folder.glob("*.gguf"))
@@ -154,7 +152,7 @@ def main() -> None:
     rows = []
     if not args.ckpt_dir:
         ref = {"format": "source (Hugging Face, float32)", "export_s": 0.0}
-        ref["bytes"] = folder_bytes(source)
+        ref["bytes"] = artifact_bytes("source", source)
         rows.append({**ref, **measure_in_subprocess("hf", source)})
         print(json.dumps(rows[-1]), flush=True)
     for name in names:

@@ -23,3 +23,7 @@ class ModelLoadError(SwiftLMError):
 
 class CheckpointError(SwiftLMError):
     """A checkpoint that is missing, incomplete or does not match the run."""
+
+
+class ExportCheckError(SwiftLMError):
+    """An exported model that, read back, does not reproduce the model it was made from."""

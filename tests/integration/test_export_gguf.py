@@ -64,7 +64,7 @@ def test_q8_0_with_ollama_modelfile(tiny_model_dir, tmp_path, capsys):
     assert types["blk.1.ffn_down.weight"] == "Q8_0" and types["output.weight"] == "Q8_0"
     assert types["output_norm.weight"] == "F32"
     ppl = [line for line in printed.splitlines() if "held-out perplexity" in line][0]
-    assert "margin ±1.50%" in ppl
+    assert "limit ±1.5% for q8_0" in ppl
     modelfile = (out / "Modelfile").read_text()
     assert modelfile.splitlines()[2] == f"FROM ./{name}"
     template = (

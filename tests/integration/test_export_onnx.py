@@ -21,6 +21,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from swiftlm.export import onnx as onnx_export  # noqa: E402
+from swiftlm.export import onnx_check, onnx_graph  # noqa: E402
 
 CHECK_LINE = "checked with onnxruntime on 5 chat prompts"
 
@@ -90,7 +91,7 @@ def _torch_logits(folder, inputs) -> torch.Tensor:
 def _assert_close(got, reference, mask):
     keep = mask.bool()
     got, reference = got[keep], reference[keep]
-    tolerance = onnx_export.ATOL + onnx_export.RTOL * reference.abs()
+    tolerance = onnx_check.TOLERANCE.atol + onnx_check.TOLERANCE.rtol * reference.abs()
     assert ((got - reference).abs() <= tolerance).all(), (got - reference).abs().max()
 
 
@@ -190,7 +191,7 @@ def test_check_rejects_a_file_that_differs(tiny_onnx, tiny_model_dir, tmp_path):
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from swiftlm.export.merge import ExportCheckError
+    from swiftlm.errors import ExportCheckError
     from swiftlm.models.loader import load_tokenizer
 
     folder = tmp_path / "tampered"
@@ -199,7 +200,7 @@ def test_check_rejects_a_file_that_differs(tiny_onnx, tiny_model_dir, tmp_path):
     (np.fromfile(data, np.float32) * 1.01).tofile(data)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with pytest.raises(ExportCheckError, match="logits differ"):
-        onnx_export.check_export(model, load_tokenizer(str(tiny_model_dir)), folder / "model.onnx")
+        onnx_check.check_export(model, load_tokenizer(str(tiny_model_dir)), folder / "model.onnx")
 
 
 def test_lora_run_is_merged_then_exported(
@@ -254,7 +255,7 @@ class OneLayerCache(torch.nn.Module):
 )
 def test_unsupported_model_error_names_model_and_fallbacks(tmp_path, flags, says):
     model = OneLayerCache(**flags)
-    with pytest.raises(onnx_export.OnnxExportError) as raised:
+    with pytest.raises(onnx_graph.OnnxExportError) as raised:
         onnx_export.export_graph(model, tmp_path / "model.onnx", "my-odd-model")
     message = str(raised.value)
     assert says in message and "my-odd-model" in message
@@ -287,5 +288,5 @@ def test_default_model_exports_and_checks(tmp_path, capsys):
     path = resolve_model(None).path
     tokenizer = load_tokenizer(path)
     model = load_model(path, torch.float32, torch.device("cpu"))
-    onnx_ppl = perplexity(onnx_export.OnnxCausalLM(out / "model.onnx"), tokenizer)
+    onnx_ppl = perplexity(onnx_check.OnnxCausalLM(out / "model.onnx"), tokenizer)
     assert onnx_ppl == pytest.approx(perplexity(model, tokenizer), rel=1e-4)

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 from tests.conftest import build_tokenizer, make_tiny_llama
 
-from swiftlm.errors import ConfigError
+from swiftlm.errors import ConfigError, ExportCheckError
 from swiftlm.export import gguf as gguf_export
 from swiftlm.export.gguf_tokenizer import byte_level_pre
-from swiftlm.export.merge import ExportCheckError
 from swiftlm.export.ollama import modelfile_text, recognise
 
 LAYER_TENSORS = [

@@ -10,10 +10,10 @@ through `optimum` + `gptqmodel` and AWQ folders through `gptqmodel`. Both are op
 (`swiftlm[gptq]`): `validate_calibrated` names the install command when one is missing,
 before anything loads.
 
-The export checks itself: the folder is read back by transformers from the folder alone, must
-give a non-empty greedy answer to every check prompt, and its perplexity on the held-out text
-(`export/checks.py`) may exceed the float32 source's by at most MAX_PPL_INCREASE (10% at 8
-bits, 150% at 4).
+The export checks itself like the other quantized folders (`checks.check_folder_read_back`):
+read back by transformers from the folder alone, it must give a non-empty greedy answer to
+every check prompt, and its perplexity on the held-out text may exceed the float32 source's
+by at most MAX_PPL_INCREASE (10% at 8 bits, 150% at 4).
 """
 
 import importlib.util
@@ -22,21 +22,16 @@ import random
 import time
 from pathlib import Path
 
-import torch
-
 from swiftlm.config import ExportConfig
 from swiftlm.errors import ConfigError
 from swiftlm.export.checks import (
-    CHECK_PROMPTS,
-    MAX_PPL_INCREASE,
+    check_folder_read_back,
     folder_bytes,
-    greedy_answers,
-    perplexity,
     quantized_input_widths,
+    source_perplexity,
 )
-from swiftlm.export.merge import ExportCheckError
 from swiftlm.export.source import ExportSource
-from swiftlm.models.loader import load_model, load_tokenizer, pick_device
+from swiftlm.models.loader import load_tokenizer, pick_device
 
 # gptqmodel quantizes; optimum is what transformers' GPTQ loader calls into (AWQ needs only
 # gptqmodel), and the self-check loads the folder through transformers.
@@ -50,6 +45,8 @@ AWQ_GROUP_SIZES = (32, 64, 128)
 BUILTIN_CALIBRATION_DATASETS = ["swiftlm/self-cognition", "swiftlm/general-qa"]
 # Shorter samples carry too few activations to matter (gptqmodel drops those under 10 too).
 MIN_SAMPLE_TOKENS = 10
+# What to try when the folder read back loses more perplexity than MAX_PPL_INCREASE allows.
+PPL_FIX = "try more --quant_n_samples, a smaller --group_size, or --quant_bits 8"
 
 
 def validate_calibrated(cfg: ExportConfig) -> None:
@@ -108,13 +105,12 @@ def export_calibrated(source: ExportSource, out: Path, cfg: ExportConfig) -> dic
         f"{len(calibration)} samples from {described}",
         flush=True,
     )
-    print(f"Measuring the perplexity of {source.description} (float32, CPU)", flush=True)
-    ppl_source = _source_perplexity(source, tokenizer)
+    ppl_source = source_perplexity(source, tokenizer)
     _quantize_and_save(source.model_path, out, calibration, method, bits, q.group_size, device)
     # The source's tokenizer (with the chat template swiftlm trains with) replaces the one
     # gptqmodel copied from the model folder, which may lack it.
     tokenizer.save_pretrained(out)
-    ppl_quantized = check_folder(out, ppl_source, bits, device)
+    measured = check_folder_read_back(out, device, ppl_source, bits, PPL_FIX)
     report = {
         "output": str(out),
         "bytes": folder_bytes(out),
@@ -124,7 +120,7 @@ def export_calibrated(source: ExportSource, out: Path, cfg: ExportConfig) -> dic
         "n_samples": len(calibration),
         "calibration": described,
         "ppl_source": ppl_source,
-        "ppl_quantized": ppl_quantized,
+        **measured,
         "seconds": time.perf_counter() - started,
     }
     print(
@@ -165,19 +161,18 @@ def _quantization_device(cfg: ExportConfig) -> str:
 def calibration_samples(cfg: ExportConfig, tokenizer) -> tuple[list[dict], str]:
     """Up to --quant_n_samples token sequences (at most --max_length tokens each) from
     --dataset, rendered with the chat template like training, and a description of them."""
+    from functools import partial
+
     from swiftlm.data.encode import encode_chat_samples
+    from swiftlm.data.formats import chat_sample
     from swiftlm.data.loading import load_samples
 
     d = cfg.data
     specs = d.dataset or BUILTIN_CALIBRATION_DATASETS
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
+    to_sample = partial(chat_sample, system=d.system, placeholders=placeholders)
     samples, report = load_samples(
-        specs,
-        "chat",
-        skip_bad_rows=d.skip_bad_rows,
-        seed=d.data_seed,
-        system=d.system,
-        placeholders=placeholders,
+        specs, to_sample, skip_bad_rows=d.skip_bad_rows, seed=d.data_seed
     )
     if report.skipped:
         print(report.summary())
@@ -203,11 +198,6 @@ def _seeded_subset(samples: list, count: int, seed: int) -> list:
         return samples
     picked = sorted(random.Random(seed).sample(range(len(samples)), count))
     return [samples[i] for i in picked]
-
-
-def _source_perplexity(source: ExportSource, tokenizer) -> float:
-    model = load_model(source.model_path, torch.float32, torch.device("cpu"))
-    return perplexity(model.eval(), tokenizer)
 
 
 def _quantize_and_save(
@@ -255,36 +245,3 @@ def _keep_logs_in(folder: Path) -> None:
     if hasattr(loop_processor, "_PROJECT_LOG_DIR"):
         folder.mkdir(parents=True, exist_ok=True)
         loop_processor._PROJECT_LOG_DIR = folder
-
-
-def check_folder(out: Path, ppl_source: float, bits: int, device: str) -> float:
-    """Load `out` through transformers alone, require an answer to every check prompt and a
-    perplexity within MAX_PPL_INCREASE of the source's; return the perplexity."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out, device_map=device)
-    model.eval()
-    answers = greedy_answers(model, tokenizer)
-    ppl = perplexity(model, tokenizer)
-    margin = MAX_PPL_INCREASE[bits]
-    limit = ppl_source * (1 + margin)
-    print(
-        f"checked {out} read back by transformers ({model.dtype}, {device}): "
-        f"{sum(bool(a.strip()) for a in answers)}/{len(CHECK_PROMPTS)} check prompts answered; "
-        f"held-out perplexity {ppl:.2f} vs {ppl_source:.2f} for the float32 source "
-        f"(limit +{margin:.0%} at {bits} bits: {limit:.2f})"
-    )
-    empty = [p for p, a in zip(CHECK_PROMPTS, answers, strict=True) if not a.strip()]
-    if empty:
-        raise ExportCheckError(
-            f"the quantized model in {out} gave an empty greedy answer to {empty!r}; "
-            "it is not usable"
-        )
-    if not ppl <= limit:
-        raise ExportCheckError(
-            f"the quantized model's held-out perplexity {ppl:.2f} is more than "
-            f"{margin:.0%} above the source's {ppl_source:.2f}; try more "
-            "--quant_n_samples, a smaller --group_size, or --quant_bits 8"
-        )
-    return ppl

@@ -14,15 +14,18 @@ from typing import TYPE_CHECKING
 import gguf
 import torch
 
+from swiftlm.errors import ExportCheckError
 from swiftlm.export.checks import (
     CHECK_PROMPTS,
+    PerplexityComparison,
     chat_inputs,
     chat_texts,
-    greedy_answers,
+    compare_answers,
+    compare_logits,
+    forward_logits,
     heldout_text,
     perplexity,
 )
-from swiftlm.export.merge import ExportCheckError
 from swiftlm.models.loader import quiet_gguf_reading
 
 if TYPE_CHECKING:
@@ -123,15 +126,6 @@ def verify_tokenizer(written: "WrittenFile", source_tokenizer) -> bool:
     return True
 
 
-@torch.no_grad()
-def max_logit_difference(model, reference, tokenizer) -> float:
-    inputs = chat_inputs(tokenizer)
-    keep = inputs["attention_mask"].bool()
-    got = model(**inputs, use_cache=False).logits.float()[keep]
-    want = reference(**inputs, use_cache=False).logits.float()[keep]
-    return float((got - want).abs().max())
-
-
 def load_back(written: "WrittenFile", source_config, rope_scaled: bool):
     """The model transformers rebuilds from the file, de-quantized to float32."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -155,34 +149,31 @@ def compare_models(
 ) -> dict:
     """Source vs file on the same token ids: logits, greedy answers, held-out perplexity."""
     model = load_back(written, source_model.config, rope_scaled)
-    diff = max_logit_difference(model, source_model, tokenizer)
-    answers_source = greedy_answers(source_model, tokenizer)
-    answers_gguf = greedy_answers(model, tokenizer)
-    same = [a == b for a, b in zip(answers_source, answers_gguf, strict=True)]
-    ppl_source = perplexity(source_model, tokenizer)
-    ppl_gguf = perplexity(model, tokenizer)
-    change = ppl_gguf / ppl_source - 1
-    margin = PERPLEXITY_MARGINS[gguf_type]
-    print(
-        f"  model (float32, same ids): max |logit diff| {diff:.2e}; greedy answers "
-        f"{sum(same)}/{len(same)} equal; held-out perplexity {ppl_source:.3f} -> {ppl_gguf:.3f} "
-        f"({change:+.2%}, margin ±{margin:.2%})"
+    inputs = chat_inputs(tokenizer)
+    logits = compare_logits(
+        forward_logits(model, inputs),
+        forward_logits(source_model, inputs),
+        inputs["attention_mask"],
     )
-    if gguf_type in ANSWERS_MUST_MATCH and not all(same):
-        first = same.index(False)
-        raise ExportCheckError(
-            f"the {gguf_type} GGUF answers check prompt {first + 1} differently from the source: "
-            f"{answers_gguf[first]!r} vs {answers_source[first]!r}"
-        )
-    if abs(change) > margin:
-        raise ExportCheckError(
-            f"held-out perplexity changed by {change:+.2%} ({ppl_source:.3f} -> {ppl_gguf:.3f}), "
-            f"beyond the {margin:.2%} allowed for {gguf_type}; {written.path} is not faithful"
-        )
+    answers = compare_answers(model, source_model, tokenizer)
+    ppl = PerplexityComparison(
+        perplexity(source_model, tokenizer),
+        perplexity(model, tokenizer),
+        PERPLEXITY_MARGINS[gguf_type],
+        f"for {gguf_type}",
+        either_way=True,
+    )
+    print(
+        f"  model (float32, same ids): max |logit diff| {logits.max_abs_diff:.2e}; greedy answers "
+        f"{answers.matching}/{len(answers.got)} equal; {ppl.describe()}"
+    )
+    if gguf_type in ANSWERS_MUST_MATCH:
+        answers.require(f"the {gguf_type} GGUF", str(written.path))
+    ppl.require(f"the {gguf_type} GGUF", f"{written.path} is not faithful")
     return {
-        "max_abs_logit_diff": diff,
-        "answers_match": all(same),
-        "answers_matching": sum(same),
-        "perplexity_source": ppl_source,
-        "perplexity_gguf": ppl_gguf,
+        "max_abs_logit_diff": logits.max_abs_diff,
+        "answers_match": not answers.differing,
+        "answers_matching": answers.matching,
+        "perplexity_source": ppl.source,
+        "perplexity_gguf": ppl.exported,
     }

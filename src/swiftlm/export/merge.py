@@ -4,33 +4,30 @@ the first step of every other export of a LoRA run).
 
 The export checks itself before it returns: on a few fixed prompts, the logits of the merged
 model, and of the folder read back from disk, must equal those of base + adapter (run
-unmerged) elementwise to ATOL + RTOL * |logit| (torch.allclose's rule). Everything runs in
-float32 on the CPU, so the check measures the merge and the files, not bf16 rounding.
+unmerged) elementwise within TOLERANCE (torch.allclose's rule, `checks.compare_logits`).
+Everything runs in float32 on the CPU, so the check measures the merge and the files, not
+bf16 rounding.
 """
 
 from pathlib import Path
 
 import torch
 
-from swiftlm.errors import SwiftLMError
-from swiftlm.export.checks import chat_inputs, logits_within
+from swiftlm.export.checks import (
+    CHECK_PROMPTS,
+    Tolerance,
+    chat_inputs,
+    compare_logits,
+    forward_logits,
+)
 from swiftlm.infer.resolve import InferenceModel
 from swiftlm.models.loader import load_model, load_tokenizer
 
 # float32: x @ (W + s B A) and x @ W + s (x A) B round differently, and the difference grows
 # through the layers with the size of the logits (SmolLM2-135M after LoRA: 1.08e-4 measured).
-ATOL, RTOL = 1e-4, 1e-5
+TOLERANCE = Tolerance(atol=1e-4, rtol=1e-5)
 # Three prompts: the check compares whole logit tensors, a few prompts cover it.
 MERGE_PROMPTS = 3
-
-
-class ExportCheckError(SwiftLMError):
-    """The exported model does not reproduce the model it was made from."""
-
-
-@torch.no_grad()
-def _logits(model, inputs) -> torch.Tensor:
-    return model(**inputs, use_cache=False).logits.float()
 
 
 def _unmerged(base, adapters: tuple[str, ...]):
@@ -44,45 +41,33 @@ def _unmerged(base, adapters: tuple[str, ...]):
     return PeftModel.from_pretrained(base, adapters[-1])
 
 
-def _difference(got: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> tuple:
-    return logits_within(got, reference, mask, ATOL, RTOL)
-
-
 def merge_lora(spec: InferenceModel, out: Path, max_shard_size: str) -> dict:
     """Merge `spec`'s adapters into its base, save to `out`, and check both against the
     unmerged model; raise ExportCheckError if they differ."""
     print(f"Loading {spec.description}", flush=True)
     tokenizer = load_tokenizer(spec.tokenizer_path)
-    inputs = chat_inputs(tokenizer)
-    inputs = {k: v[:MERGE_PROMPTS] for k, v in inputs.items()}
+    inputs = chat_inputs(tokenizer, CHECK_PROMPTS[:MERGE_PROMPTS])
+    mask = inputs["attention_mask"]
     model = _unmerged(load_model(spec.base_path, torch.float32, torch.device("cpu")), spec.adapters)
-    reference = _logits(model, inputs)
+    reference = forward_logits(model, inputs)
     merged = model.merge_and_unload()
-    merged_diff, merged_ok = _difference(
-        _logits(merged, inputs), reference, inputs["attention_mask"]
-    )
+    in_memory = compare_logits(forward_logits(merged, inputs), reference, mask, TOLERANCE)
     merged.save_pretrained(out, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
     reloaded = load_model(str(out), torch.float32, torch.device("cpu"))
-    saved_diff, saved_ok = _difference(
-        _logits(reloaded, inputs), reference, inputs["attention_mask"]
-    )
+    saved = compare_logits(forward_logits(reloaded, inputs), reference, mask, TOLERANCE)
     report = {
         "output": str(out),
         "shards": len(list(out.glob("*.safetensors"))),
-        "merged_max_abs_diff": merged_diff,
-        "saved_max_abs_diff": saved_diff,
+        "merged_max_abs_diff": in_memory.max_abs_diff,
+        "saved_max_abs_diff": saved.max_abs_diff,
     }
     print(
         f"checked on {MERGE_PROMPTS} prompts (float32 logits vs base + adapter, "
-        f"tolerance {ATOL} + {RTOL} x |logit|): merged max |diff| {merged_diff:.2e}, "
-        f"saved folder read back {saved_diff:.2e}"
+        f"tolerance {TOLERANCE}): merged max |diff| {in_memory.max_abs_diff:.2e}, "
+        f"saved folder read back {saved.max_abs_diff:.2e}"
     )
-    if not (merged_ok and saved_ok):
-        raise ExportCheckError(
-            f"the merged model's logits differ from base + adapter by up to "
-            f"{max(merged_diff, saved_diff):.2e}, beyond {ATOL} + {RTOL} x |logit|; "
-            f"{out} is not faithful"
-        )
+    in_memory.require("the merged model", "base + adapter", str(out))
+    saved.require(f"{out} read back", "base + adapter", str(out))
     print(f"merged model saved to {out} ({report['shards']} safetensors file(s))")
     return report

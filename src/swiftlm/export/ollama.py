@@ -31,75 +31,55 @@ SYSTEM_MARK = "\x00system\x00"  # stands for the system prompt when locating a d
 
 @dataclass(frozen=True)
 class ChatFamily:
+    """A chat format built from a header per role, each turn closed by the end-of-turn token
+    and then `after_end`: the Go template and the Python rendering come from the same parts."""
+
     name: str
-    go_template: Callable[[str], str]  # end-of-turn token -> Ollama TEMPLATE
-    render: Callable[[str | None, list, str], str]  # what that Go template produces
+    header: Callable[[str], str]  # role -> what opens its turn
+    after_end: str  # what follows the end-of-turn token
     stops: Callable[[str], list[str]]  # end-of-turn token -> PARAMETER stop values
     end_tokens: tuple[str, ...]  # candidate end-of-turn tokens ("" = the tokenizer's EOS)
 
+    def go_template(self, end: str) -> str:
+        """The Ollama TEMPLATE, closing turns with `end`."""
+        close = end + self.after_end
+        return (
+            "{{ if .System }}" + self.header("system") + "{{ .System }}" + close + "{{ end }}"
+            "{{ range .Messages }}"
+            '{{ if eq .Role "user" }}'
+            + self.header("user")
+            + "{{ .Content }}"
+            + close
+            + self.header("assistant")
+            + '{{ else if eq .Role "assistant" }}{{ .Content }}'
+            + close
+            + "{{ end }}{{ end }}"
+        )
 
-def _chatml_go(end: str) -> str:
-    return (
-        "{{ if .System }}<|im_start|>system\n{{ .System }}" + end + "\n{{ end }}"
-        "{{ range .Messages }}"
-        '{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}' + end + "\n"
-        "<|im_start|>assistant\n"
-        '{{ else if eq .Role "assistant" }}{{ .Content }}' + end + "\n"
-        "{{ end }}{{ end }}"
-    )
-
-
-def _chatml_render(system: str | None, turns: list, end: str) -> str:
-    text = f"<|im_start|>system\n{system}{end}\n" if system else ""
-    for role, content in turns:
-        if role == "user":
-            text += f"<|im_start|>user\n{content}{end}\n<|im_start|>assistant\n"
-        else:
-            text += f"{content}{end}\n"
-    return text
-
-
-def _llama3_header(role: str) -> str:
-    return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
-
-
-def _llama3_go(end: str) -> str:
-    return (
-        "{{ if .System }}" + _llama3_header("system") + "{{ .System }}" + end + "{{ end }}"
-        "{{ range .Messages }}"
-        '{{ if eq .Role "user" }}'
-        + _llama3_header("user")
-        + "{{ .Content }}"
-        + end
-        + _llama3_header("assistant")
-        + '{{ else if eq .Role "assistant" }}{{ .Content }}'
-        + end
-        + "{{ end }}{{ end }}"
-    )
-
-
-def _llama3_render(system: str | None, turns: list, end: str) -> str:
-    text = f"{_llama3_header('system')}{system}{end}" if system else ""
-    for role, content in turns:
-        if role == "user":
-            text += f"{_llama3_header('user')}{content}{end}{_llama3_header('assistant')}"
-        else:
-            text += f"{content}{end}"
-    return text
+    def render(self, system: str | None, turns: list, end: str) -> str:
+        """What go_template(end) produces for `system` and `turns`."""
+        close = end + self.after_end
+        text = f"{self.header('system')}{system}{close}" if system else ""
+        for role, content in turns:
+            if role == "user":
+                text += f"{self.header('user')}{content}{close}{self.header('assistant')}"
+            else:
+                text += f"{content}{close}"
+        return text
 
 
 FAMILIES = [
     ChatFamily(
         "ChatML",
-        _chatml_go,
-        _chatml_render,
+        lambda role: f"<|im_start|>{role}\n",
+        "\n",
         lambda end: [end, "<|im_start|>"],
         ("<|im_end|>", ""),
     ),
     ChatFamily(
         "Llama 3",
-        _llama3_go,
-        _llama3_render,
+        lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n",
+        "",
         lambda end: [end, "<|start_header_id|>", "<|end_header_id|>"],
         ("<|eot_id|>",),
     ),

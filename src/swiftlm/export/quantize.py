@@ -25,7 +25,8 @@ float32.
 
 The export checks itself: the folder, read back by transformers from the folder alone, must
 give a non-empty greedy answer to every check prompt, and its perplexity on the held-out text
-(`export/checks.py`) may exceed the float32 source's by at most MAX_PPL_INCREASE.
+may exceed the float32 source's by at most MAX_PPL_INCREASE (`checks.check_folder_read_back`,
+shared with GPTQ/AWQ).
 """
 
 import gc
@@ -37,16 +38,13 @@ import torch
 
 from swiftlm.config import ExportConfig
 from swiftlm.config.sections import QuantArguments
-from swiftlm.errors import ConfigError
+from swiftlm.errors import ConfigError, ExportCheckError
 from swiftlm.export.checks import (
-    CHECK_PROMPTS,
-    MAX_PPL_INCREASE,
+    check_folder_read_back,
     folder_bytes,
-    greedy_answers,
-    perplexity,
     quantized_input_widths,
+    source_perplexity,
 )
-from swiftlm.export.merge import ExportCheckError
 from swiftlm.export.source import ExportSource
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
 from swiftlm.models.quant import (
@@ -63,6 +61,8 @@ CALIBRATED = ("gptq", "awq")
 TORCHAO_BITS = {"int8": 8, "int4": 4}
 # Group sizes that torchao's int4 kernels (tinygemm) take.
 INT4_GROUP_SIZES = (32, 64, 128)
+# What to try when the folder read back loses more perplexity than MAX_PPL_INCREASE allows.
+PPL_FIX = "try --quant_bits 8, or a smaller --group_size for int4"
 
 
 @dataclass(frozen=True)
@@ -226,29 +226,28 @@ def export(source: ExportSource, out: Path, cfg: ExportConfig) -> dict:
     silence_quantization_noise()
     plan = plan_export(cfg, source.model_path)  # reads the config only: fails fast
     tokenizer = load_tokenizer(source.tokenizer_path)
-    print(f"Measuring the perplexity of {source.description} (float32, CPU)", flush=True)
-    ppl_source = _source_perplexity(source.model_path, tokenizer)
+    ppl_source = source_perplexity(source, tokenizer)
     print(f"Quantizing {source.description}: {plan.label}, on {plan.device}", flush=True)
     started = time.perf_counter()
     _quantize_and_save(source.model_path, out, plan, cfg.quant)
     tokenizer.save_pretrained(out)
     export_seconds = time.perf_counter() - started
-    report = check_folder(out, plan, ppl_source)
-    report.update(export_seconds=export_seconds, bytes=folder_bytes(out))
+    measured = check_folder_read_back(out, plan.device, ppl_source, plan.bits, PPL_FIX)
+    report = {
+        "output": str(out),
+        "method": plan.method,
+        "bits": plan.bits,
+        "quantization": plan.label,
+        "ppl_source": ppl_source,
+        **measured,
+        "export_seconds": export_seconds,
+        "bytes": folder_bytes(out),
+    }
     print(
         f"{plan.label} model saved to {out} ({report['bytes'] / 2**20:.1f} MiB, quantized and "
         f"saved in {export_seconds:.1f} s)"
     )
     return report
-
-
-def _source_perplexity(model_path: str, tokenizer) -> float:
-    model = load_model(model_path, torch.float32, torch.device("cpu")).eval()
-    try:
-        return perplexity(model, tokenizer)
-    finally:
-        del model
-        gc.collect()
 
 
 def _quantize_and_save(model_path: str, out: Path, plan: QuantPlan, q: QuantArguments) -> None:
@@ -282,58 +281,4 @@ def _require_all_quantized(model, plan: QuantPlan) -> None:
         raise ExportCheckError(
             f"{plan.label} left {len(plain)} linear layers unquantized (e.g. {plain[0]}); "
             "nothing was written. Try --quant_method int8 or bnb"
-        )
-
-
-# ---- self-check -----------------------------------------------------------------------------
-
-
-def check_folder(out: Path, plan: QuantPlan, ppl_source: float) -> dict:
-    """Load `out` through transformers from the folder alone, require an answer to every check
-    prompt and a perplexity within MAX_PPL_INCREASE of the source's; return the figures."""
-    from transformers import AutoModelForCausalLM
-
-    started = time.perf_counter()
-    tokenizer = load_tokenizer(str(out))
-    model = AutoModelForCausalLM.from_pretrained(out, device_map={"": plan.device}).eval()
-    load_seconds = time.perf_counter() - started
-    answers = greedy_answers(model, tokenizer)
-    ppl = perplexity(model, tokenizer)
-    dtype = str(model.dtype).replace("torch.", "")
-    del model
-    gc.collect()
-    margin = MAX_PPL_INCREASE[plan.bits]
-    change = ppl / ppl_source - 1
-    print(
-        f"checked {out} read back by transformers alone ({dtype}, {plan.device}, loaded in "
-        f"{load_seconds:.1f} s): {sum(bool(a.strip()) for a in answers)}/{len(CHECK_PROMPTS)} "
-        f"check prompts answered; held-out perplexity {ppl:.2f} vs {ppl_source:.2f} for the "
-        f"float32 source ({change:+.1%}, limit +{margin:.0%} at {plan.bits} bits)"
-    )
-    print(f"  {CHECK_PROMPTS[1]!r} -> {answers[1].strip()[:80]!r}")
-    _fail_unless_usable(out, answers, ppl, ppl_source, margin)
-    return {
-        "output": str(out),
-        "method": plan.method,
-        "bits": plan.bits,
-        "quantization": plan.label,
-        "ppl_source": ppl_source,
-        "ppl_quantized": ppl,
-        "load_seconds": load_seconds,
-        "answers": answers,
-    }
-
-
-def _fail_unless_usable(out: Path, answers: list[str], ppl, ppl_source, margin) -> None:
-    empty = [p for p, a in zip(CHECK_PROMPTS, answers, strict=True) if not a.strip()]
-    if empty:
-        raise ExportCheckError(
-            f"the quantized model in {out} gave an empty greedy answer to {empty!r}; "
-            "it is not usable"
-        )
-    if not ppl <= ppl_source * (1 + margin):  # `not <=` also catches a NaN perplexity
-        raise ExportCheckError(
-            f"the quantized model in {out} has a held-out perplexity of {ppl:.2f}, more than "
-            f"{margin:.0%} above the source's {ppl_source:.2f}; try --quant_bits 8, or a "
-            "smaller --group_size for int4"
         )
