@@ -1,16 +1,23 @@
-"""Token losses: checked against a hand-written float64 reference; accumulation is exact."""
+"""Token losses: checked against a hand-written float64 reference; accumulation is exact;
+per-token losses and their per-sequence sums for padded and packed batches."""
 
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from swiftlm.data.collate import collate, collate_packed
 from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.losses.causal_lm import (
     causal_lm_loss,
     count_label_tokens,
+    count_sequences,
+    sequence_ids_from_batch,
+    sequence_sums,
     shifted_labels,
+    token_cross_entropy,
     token_cross_entropy_sum,
 )
 
@@ -170,3 +177,103 @@ def test_accumulated_sums_equal_full_batch_mean_gradient():
             (loss_sum / n_total).backward()
 
     assert torch.allclose(grad_of(two_micro_batches, weight), expected, rtol=0, atol=1e-6)
+
+
+# ---- per-token and per-sequence losses ------------------------------------------------------
+
+
+def reference_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[b, t] = -log softmax(logits[b, t])[labels[b, t + 1]], 0 where no label, float64."""
+    out = torch.zeros(labels.shape, dtype=torch.float64)
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1] - 1):
+            target = int(labels[b, t + 1])
+            if target != IGNORE_INDEX:
+                row = logits[b, t].double()
+                out[b, t] = torch.logsumexp(row, dim=0) - row[target]
+    return out
+
+
+def test_token_cross_entropy_matches_hand_written_reference():
+    for logits in (random_logits(), random_logits(seed=1).to(torch.bfloat16)):
+        got = token_cross_entropy(logits, LABELS)
+        assert got.dtype == torch.float32 and got.shape == LABELS.shape
+        expected = reference_token_losses(logits, LABELS)
+        assert torch.allclose(got.double(), expected, rtol=1e-6, atol=0)
+        assert (got[shifted_labels(LABELS) == I] == 0).all()
+        total = float(token_cross_entropy_sum(logits, LABELS))
+        assert math.isclose(float(got.sum()), total, rel_tol=1e-6)
+
+
+def embedding_model(vocab=7, seed=0):
+    """A 'model' whose logits at a position depend on that position's token only, so a
+    sample's losses cannot depend on how it was batched."""
+    table = random_logits((vocab, vocab), seed=seed)
+
+    def model(input_ids, use_cache, attention_mask=None, position_ids=None):
+        return SimpleNamespace(logits=table[input_ids])
+
+    return model
+
+
+def test_causal_lm_loss_token_reduction():
+    model = embedding_model()
+    batch = {"input_ids": LABELS.clamp(min=0), "labels": LABELS}
+    losses, metrics = causal_lm_loss(model, batch, reduction="token")
+    assert metrics == {} and losses.shape == LABELS.shape
+    logits = model(batch["input_ids"], use_cache=False).logits
+    assert torch.allclose(losses.double(), reference_token_losses(logits, LABELS), rtol=1e-6)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        causal_lm_loss(model, batch, reduction="mean")
+
+
+def test_sequence_sums():
+    losses = torch.tensor([[1.0, 2.0, 4.0, 8.0], [16.0, 32.0, 64.0, 128.0]], requires_grad=True)
+    ids = torch.tensor([[0, 0, 1, -1], [2, 2, 2, -1]])
+    sums = sequence_sums(losses, ids, 4)  # sample 3 has no position: sum 0
+    assert sums.tolist() == [3.0, 4.0, 112.0, 0.0]
+    (grad,) = torch.autograd.grad((sums * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum(), losses)
+    assert grad.tolist() == [[1.0, 1.0, 2.0, 0.0], [3.0, 3.0, 3.0, 0.0]]
+    with pytest.raises(ValueError, match="do not match"):
+        sequence_sums(losses, ids[:, :3], 4)
+
+
+SAMPLES = [
+    {"input_ids": [1, 2, 3], "labels": [I, 2, 3]},
+    {"input_ids": [4, 5, 6, 1, 2], "labels": [I, I, 6, 1, 2]},
+    {"input_ids": [3, 3], "labels": [I, 5]},
+]
+
+
+def test_sequence_ids_of_padded_and_packed_batches():
+    padded = collate(SAMPLES, pad_token_id=0)
+    assert sequence_ids_from_batch(padded).tolist() == [
+        [0, 0, 0, -1, -1],
+        [1, 1, 1, 1, 1],
+        [2, 2, -1, -1, -1],
+    ]
+    packed = collate_packed([SAMPLES[:1], SAMPLES[1:]], pad_token_id=0)
+    assert packed["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3]  # padding restarts
+    assert sequence_ids_from_batch(packed).tolist() == [
+        [0, 0, 0, -1, -1, -1, -1],
+        [1, 1, 1, 1, 1, 2, 2],
+    ]
+    assert count_sequences(sequence_ids_from_batch(packed)) == 3
+    # No mask and no positions: each row is one sample.
+    assert sequence_ids_from_batch({"labels": LABELS}).tolist() == [[0] * 6, [1] * 6, [2] * 6]
+    padded["attention_mask"][1] = 0  # a row of padding only is no sample
+    assert sequence_ids_from_batch(padded)[1:].tolist() == [[-1] * 5, [1, 1, -1, -1, -1]]
+    assert count_sequences(torch.full((2, 3), -1)) == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sequence_sums_of_a_batch_equal_sample_by_sample_sums(packed):
+    model = embedding_model()
+    expected = [float(causal_lm_loss(model, collate([s], 0))[0]) for s in SAMPLES]
+    batch = collate_packed([SAMPLES[:2], SAMPLES[2:]], 0) if packed else collate(SAMPLES, 0)
+    losses, _ = causal_lm_loss(model, batch, reduction="token")
+    ids = sequence_ids_from_batch(batch)
+    sums = sequence_sums(losses, ids, count_sequences(ids))
+    assert sums.shape == (3,) and all(e > 0 for e in expected)
+    for got, want in zip(sums.tolist(), expected, strict=True):
+        assert math.isclose(got, want, rel_tol=1e-6)

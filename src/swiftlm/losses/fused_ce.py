@@ -20,7 +20,9 @@ Wiring it into a model, through whatever wraps it (peft, DDP, FSDP2, DeepSpeed):
   before forward) stay exactly as they were.
 * `fused_causal_lm_loss(model, batch)` puts the shifted labels on that head, calls the
   (wrapped) model's normal forward, so every wrapper runs its hooks and DDP its gradient
-  sync, and returns the loss sum that came out as `outputs.logits`.
+  sync, and returns the loss sum that came out as `outputs.logits`. With reduction="token"
+  the head returns the per-token losses instead (`fused_ce_token`, which recomputes each
+  chunk's logits in backward because its gradient depends on a per-token grad_output).
 """
 
 import contextlib
@@ -32,12 +34,12 @@ from torch import nn
 
 from swiftlm.data.collate import model_inputs
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.losses.causal_lm import causal_lm_loss, shifted_labels
+from swiftlm.losses.causal_lm import causal_lm_loss, check_reduction, shifted_labels
 
 # Attributes set on the head module instance. Plain (non-Parameter) attributes never reach
 # the state dict.
 _MARKER = "_swiftlm_fused_ce"
-_PENDING_TARGETS = "_swiftlm_targets"
+_PENDING = "_swiftlm_pending"  # (shifted targets, reduction) for the next head call
 _FUSED_LOSS = "_swiftlm_fused_loss"
 
 # One chunk's float32 logits stay at or below 2**24 elements (64 MiB).
@@ -84,17 +86,18 @@ def _loss_and_grads(hidden, weight, bias, targets, chunk_size, wants):
     device_type = hidden.device.type
     compute_dtype = compute_dtype_for(device_type, weight.dtype)  # before autocast goes off
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
-    # Autocast off: the compute dtype is applied by explicit casts, and the float32
-    # softmax/gradient math must not be cast down again.
-    no_autocast = (
-        torch.autocast(device_type, enabled=False)
-        if torch.amp.is_autocast_available(device_type)
-        else contextlib.nullcontext()
-    )
-    with no_autocast:
+    with autocast_off(device_type):
         return _chunked_loss_and_grads(
             hidden, weight, bias, targets, chunk_size, compute_dtype, wants
         )
+
+
+def autocast_off(device_type: str):
+    """A context with autocast disabled: the fused losses apply the compute dtype by explicit
+    casts, and their float32 softmax/gradient math must not be cast down again."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _chunked_loss_and_grads(hidden, weight, bias, targets, chunk_size, compute_dtype, wants):
@@ -232,19 +235,29 @@ def linear_cross_entropy_sum(
 
 
 def _fused_lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The head's forward after install: the loss sum while targets are pending, else logits.
+    """The head's forward after install: the loss (sum or per token) while targets are
+    pending, else logits.
 
     The targets are consumed by the first call, so a second call of the head in the same
     model forward returns plain logits instead of counting the loss twice.
     """
-    targets = getattr(self, _PENDING_TARGETS, None)
-    if targets is None:
+    pending = getattr(self, _PENDING, None)
+    if pending is None:
         return nn.Linear.forward(self, hidden_states)
-    setattr(self, _PENDING_TARGETS, None)
-    loss = linear_cross_entropy_sum(hidden_states, self.weight, targets, self.bias)
+    setattr(self, _PENDING, None)
+    targets, reduction = pending
+    loss_fn = _per_token_loss_fn() if reduction == "token" else linear_cross_entropy_sum
+    loss = loss_fn(hidden_states, self.weight, targets, self.bias)
     # Kept so the loss function can check that the model returned it unchanged.
     setattr(self, _FUSED_LOSS, loss)
     return loss
+
+
+def _per_token_loss_fn():
+    # Imported here: fused_ce_token builds on this module's chunking helpers.
+    from swiftlm.losses.fused_ce_token import linear_cross_entropy_per_token
+
+    return linear_cross_entropy_per_token
 
 
 def _is_plain_linear(module) -> bool:
@@ -282,7 +295,7 @@ def install_fused_lm_head(model) -> bool:
         return False
     if not getattr(head, _MARKER, False):
         head.forward = types.MethodType(_fused_lm_head_forward, head)
-        setattr(head, _PENDING_TARGETS, None)
+        setattr(head, _PENDING, None)
         setattr(head, _FUSED_LOSS, None)
         setattr(head, _MARKER, True)
     return True
@@ -293,7 +306,7 @@ def uninstall_fused_lm_head(model) -> bool:
     head = find_fused_lm_head(model)
     if head is None:
         return False
-    for name in ("forward", _PENDING_TARGETS, _FUSED_LOSS, _MARKER):
+    for name in ("forward", _PENDING, _FUSED_LOSS, _MARKER):
         delattr(head, name)
     return True
 
@@ -313,14 +326,18 @@ def find_fused_lm_head(model) -> nn.Linear | None:
     return heads[0] if heads else None
 
 
-def fused_causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+def fused_causal_lm_loss(
+    model, batch: dict[str, torch.Tensor], reduction: str = "sum"
+) -> tuple[torch.Tensor, dict]:
     """loss_fn(model, batch) -> (sum of token losses, metrics), the contract of
-    `causal_lm_loss`, without materializing logits. Without a fused head (see
-    `install_fused_lm_head`) it computes the plain loss."""
+    `causal_lm_loss`, without materializing logits; with reduction="token" the float32
+    token losses `[rows, width]` like labels, aligned with the shifted labels, 0 where no
+    label. Without a fused head (see `install_fused_lm_head`) it computes the plain loss."""
+    check_reduction(reduction)
     head = find_fused_lm_head(model)
     if head is None:
-        return causal_lm_loss(model, batch)
-    setattr(head, _PENDING_TARGETS, shifted_labels(batch["labels"]))
+        return causal_lm_loss(model, batch, reduction=reduction)
+    setattr(head, _PENDING, (shifted_labels(batch["labels"]), reduction))
     try:
         # All positions reach the head: transformers' default logits_to_keep=0 keeps them,
         # and without labels the model computes no loss of its own from the "logits".
@@ -328,7 +345,7 @@ def fused_causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.T
         outputs = model(**model_inputs(batch), use_cache=False)
         fused_loss = getattr(head, _FUSED_LOSS)
     finally:
-        setattr(head, _PENDING_TARGETS, None)
+        setattr(head, _PENDING, None)
         setattr(head, _FUSED_LOSS, None)
     return _checked_loss(outputs.logits, fused_loss), {}
 
@@ -341,6 +358,8 @@ def _checked_loss(returned, fused_loss: torch.Tensor | None) -> torch.Tensor:
     and starting from the original would skip that. A model that transforms the head's
     output (a scale, a soft-cap) would silently turn the loss into something else, so that
     raises; a wrapper that only casts outputs (FSDP2 output_dtype) keeps the float32 value.
+    Per-token losses are checked the same way, element by element: same shape, and every
+    value the fused one (after the wrapper's cast); a transform changes any nonzero loss.
     """
     if fused_loss is None:
         raise RuntimeError(
@@ -351,7 +370,7 @@ def _checked_loss(returned, fused_loss: torch.Tensor | None) -> torch.Tensor:
         return returned
     if (
         isinstance(returned, torch.Tensor)
-        and returned.ndim == 0
+        and returned.shape == fused_loss.shape
         and _same_value(returned, fused_loss.to(returned.dtype))
     ):
         if returned.dtype == fused_loss.dtype:
