@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swiftlm.config import ExportConfig, TrainConfig, parse_config
+from swiftlm.config.rules import check
 from swiftlm.errors import ConfigError
 from swiftlm.export.quantize import quant_bits, validate
 from swiftlm.models.quant import (
@@ -19,7 +20,6 @@ from swiftlm.models.quant import (
     logical_numel,
     silence_quantization_noise,
 )
-from swiftlm.train.resolve import check_config
 
 
 def train_config(*flags) -> TrainConfig:
@@ -47,7 +47,7 @@ def export_config(*flags) -> ExportConfig:
     ],
 )
 def test_qlora_combinations_that_train(flags):
-    check_config(train_config(*flags))
+    check(train_config(*flags))
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_qlora_combinations_that_train(flags):
 )
 def test_qlora_errors_name_the_fix(flags, message):
     with pytest.raises(ConfigError, match=message):
-        check_config(train_config(*flags))
+        check(train_config(*flags))
 
 
 def test_bnb_config_follows_the_flags():

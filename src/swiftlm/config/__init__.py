@@ -1,7 +1,12 @@
-"""Command configs: each is a composition of typed sections (see `sections.py`)."""
+"""Command configs, each a composition of typed sections.
 
-from dataclasses import dataclass, field
+- `sections.py`: the sections; each checks its own fields (`checks.py`) when built;
+- `commands.py`: the configs of `swiftlm sft/pt`, `infer` and `export`;
+- `rules.py`: every rule between flags, run once by a command with `rules.check(cfg)`;
+- `parse.py`: a config from a YAML file plus flags, and back to config.yaml.
+"""
 
+from swiftlm.config.commands import ExportConfig, InferConfig, TrainConfig
 from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
     DataArguments,
@@ -15,41 +20,6 @@ from swiftlm.config.sections import (
     TrainArguments,
     TunerArguments,
 )
-
-
-@dataclass
-class TrainConfig:
-    """`swiftlm sft` and `swiftlm pt`: everything a training run needs."""
-
-    model: ModelArguments = field(default_factory=ModelArguments)
-    data: DataArguments = field(default_factory=DataArguments)
-    tuner: TunerArguments = field(default_factory=TunerArguments)
-    quant: QuantArguments = field(default_factory=QuantArguments)
-    train: TrainArguments = field(default_factory=TrainArguments)
-    output: OutputArguments = field(default_factory=OutputArguments)
-    dist: DistArguments = field(default_factory=DistArguments)
-
-
-@dataclass
-class InferConfig:
-    """`swiftlm infer`: a model (or run) to load, prompts and sampling settings."""
-
-    model: ModelArguments = field(default_factory=ModelArguments)
-    data: DataArguments = field(default_factory=DataArguments)
-    generation: GenerationArguments = field(default_factory=GenerationArguments)
-    infer: InferArguments = field(default_factory=InferArguments)
-
-
-@dataclass
-class ExportConfig:
-    """`swiftlm export`: a model (or run) to load and what to write."""
-
-    model: ModelArguments = field(default_factory=ModelArguments)
-    data: DataArguments = field(default_factory=DataArguments)
-    infer: InferArguments = field(default_factory=InferArguments)
-    export: ExportArguments = field(default_factory=ExportArguments)
-    quant: QuantArguments = field(default_factory=QuantArguments)
-
 
 __all__ = [
     "DataArguments",

@@ -7,12 +7,12 @@ by section; unknown keys and flags rejected with the nearest valid name; ms-swif
 
 import dataclasses
 import difflib
-import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
 
 C = TypeVar("C")
@@ -82,11 +82,11 @@ def load_yaml(path: str, config_cls: type) -> dict[str, Any]:
     return flatten_yaml(data, config_cls, path)
 
 
-# Integer flags that also accept the word `auto`, stored as 0 and resolved at run time.
-AUTO_INT_FLAGS = {"per_device_train_batch_size"}
+# Integer flags that also accept the word `auto`: stored as this number, resolved at run time.
+AUTO_INT_FLAGS = {"per_device_train_batch_size": AUTO_BATCH_SIZE}
 
 
-def _auto_to_zero(argv: list[str]) -> list[str]:
+def _auto_to_number(argv: list[str]) -> list[str]:
     """`--per_device_train_batch_size auto` (or `=auto`) -> 0, before argparse's int()."""
     out = list(argv)
     for i, arg in enumerate(out):
@@ -94,9 +94,9 @@ def _auto_to_zero(argv: list[str]) -> list[str]:
         if name not in AUTO_INT_FLAGS:
             continue
         if eq and value == "auto":
-            out[i] = f"--{name}=0"
+            out[i] = f"--{name}={AUTO_INT_FLAGS[name]}"
         elif not eq and i + 1 < len(out) and out[i + 1] == "auto":
-            out[i + 1] = "0"
+            out[i + 1] = str(AUTO_INT_FLAGS[name])
     return out
 
 
@@ -136,14 +136,19 @@ def build_parser(config_cls: type, prog: str, description: str):
 
 
 def parse_config(config_cls: type[C], argv: list[str], prog: str, description: str = "") -> C:
-    """Parse `[config.yaml] [--flag value ...]` into a command config."""
+    """Parse `[config.yaml] [--flag value ...]` into a command config.
+
+    A value of the wrong type or choice exits through argparse (code 2); a value that its
+    section rejects (`__post_init__`), an unknown flag or key raise ConfigError, which the CLI
+    prints as `swiftlm <cmd>: error: ...` with exit code 2 too. Rules between flags are
+    checked later, by the command (`rules.check`)."""
     argv = [_normalize_flag(a) for a in argv]
     parser = build_parser(config_cls, prog, description)
     if argv and argv[0].endswith((".yaml", ".yml")):
         yaml_flags, yaml_lists = _split_yaml_values(load_yaml(argv[0], config_cls))
         parser.set_defaults(**yaml_lists)
         argv = yaml_flags + argv[1:]
-    argv = _auto_to_zero(argv)
+    argv = _auto_to_number(argv)
     *sections, remaining = parser.parse_args_into_dataclasses(
         argv, return_remaining_strings=True, look_for_args_file=False
     )
@@ -175,7 +180,8 @@ def save_config(config: Any, path: Path) -> None:
 
 
 def load_saved_config(config_cls: type[C], path: Path) -> C:
-    """Read a run's `config.yaml` back into a config (unknown keys are errors)."""
+    """Read a run's `config.yaml` back into a config (unknown keys and values that their
+    section rejects are errors)."""
     flat = load_yaml(str(path), config_cls)
     return from_flat_dict(config_cls, flat)
 
@@ -192,8 +198,3 @@ def from_flat_dict(config_cls: type[C], flat: dict[str, Any]) -> C:
     return config_cls(
         **{name: cls(**grouped[name]) for name, cls in section_types(config_cls).items()}
     )
-
-
-def print_error_and_exit(exc: Exception) -> None:
-    print(f"swiftlm: error: {exc}", file=sys.stderr)
-    raise SystemExit(2)

@@ -3,10 +3,23 @@
 Field names are the flag names (flat, ms-swift style): a field `learning_rate` is the flag
 `--learning_rate`. Names are unique across all sections so a flat YAML file or flat flags
 map onto sections without ambiguity.
+
+Each section checks its own fields, one at a time, in `__post_init__` (`checks.py`), so a bad
+value fails as soon as the config is built: from flags, a YAML file or a saved config.yaml.
+Rules between flags live in `rules.py`.
 """
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from swiftlm.config.checks import above, at_least, check_fields, custom, matching, within
+
+# `--per_device_train_batch_size auto` is stored as this value until the model has loaded.
+AUTO_BATCH_SIZE = 0
+# What `--fsdp` accepts (ms-swift's spellings of FSDP2's full sharding).
+FSDP_SPELLINGS = ("fsdp2", "full_shard", "shard")
+# `--max_shard_size` forms that transformers' save_pretrained parses.
+SHARD_SIZE = r"\d+(GIB|MIB|KIB|GB|MB|KB)"
 
 
 def doc(text: str, **kwargs):
@@ -73,6 +86,13 @@ class DataArguments:
         default=True,
     )
 
+    def __post_init__(self):
+        check_fields(
+            self,
+            split_dataset_ratio=within(0, 1, note="the fraction held out", open_high=True),
+            max_length=at_least(2),
+        )
+
 
 @dataclass
 class TunerArguments:
@@ -92,6 +112,14 @@ class TunerArguments:
     modules_to_save: list[str] = doc(
         "Modules trained in full next to the adapters (e.g. lm_head).", default_factory=list
     )
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            lora_rank=at_least(1),
+            lora_alpha=above(0),
+            lora_dropout=within(0, 1, open_high=True),
+        )
 
 
 @dataclass
@@ -152,6 +180,24 @@ class TrainArguments:
         default="error",
     )
 
+    def __post_init__(self):
+        check_fields(
+            self,
+            per_device_train_batch_size=custom(
+                lambda v: v >= AUTO_BATCH_SIZE, "--{flag} {value} must be at least 1, or auto"
+            ),
+            per_device_eval_batch_size=at_least(1),
+            gradient_accumulation_steps=at_least(1),
+            learning_rate=above(0, note="or unset: the default of the train type"),
+            warmup_ratio=within(0, 1),
+            weight_decay=at_least(0),
+            adam_beta1=within(0, 1, open_high=True),
+            adam_beta2=within(0, 1, open_high=True),
+            adam_epsilon=at_least(0),
+            max_grad_norm=at_least(0, note="0 disables clipping"),
+            max_tokens_per_batch=at_least(0, note="0: a fixed --per_device_train_batch_size"),
+        )
+
 
 @dataclass
 class OutputArguments:
@@ -176,6 +222,14 @@ class OutputArguments:
         "Loggers besides metrics.jsonl: tensorboard, none.", default_factory=lambda: ["tensorboard"]
     )
 
+    def __post_init__(self):
+        check_fields(
+            self,
+            logging_steps=at_least(1),
+            save_steps=at_least(1),
+            eval_steps=at_least(1, note="or unset: every --save_steps"),
+        )
+
 
 @dataclass
 class GenerationArguments:
@@ -186,6 +240,16 @@ class GenerationArguments:
     )
     top_k: int = doc("Sample among the k most likely tokens (0 disables).", default=0)
     repetition_penalty: float = doc("Penalty > 1 discourages repeating tokens.", default=1.0)
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            max_new_tokens=at_least(1),
+            temperature=custom(lambda v: v >= 0, "--{flag} {value} must be 0 (greedy) or more"),
+            top_p=within(0, 1, open_low=True),
+            top_k=custom(lambda v: v >= 0, "--{flag} {value} must be 0 (off) or more"),
+            repetition_penalty=above(0),
+        )
 
 
 @dataclass
@@ -204,6 +268,9 @@ class InferArguments:
     max_batch_size: int = doc("Batch mode: prompts generated together.", default=8)
     stream: bool = doc("Interactive mode: print tokens as they are generated.", default=True)
     seed: int = doc("Seed for sampling.", default=42)
+
+    def __post_init__(self):
+        check_fields(self, max_batch_size=at_least(1))
 
 
 @dataclass
@@ -270,6 +337,29 @@ class DistArguments:
         default=False,
     )
 
+    def __post_init__(self):
+        check_fields(
+            self,
+            nproc_per_node=at_least(1),
+            nnodes=at_least(1),
+            node_rank=at_least(0),
+            master_port=within(0, 65535),
+            tensor_parallel_size=at_least(1, note="1: off"),
+            pipeline_parallel_size=at_least(1, note="1: off"),
+            fsdp=custom(
+                lambda v: v in FSDP_SPELLINGS,
+                "--{flag} {value}: use fsdp2 (FSDP2, fully_shard per layer)",
+            ),
+            max_restarts=at_least(0),
+            heartbeat_timeout=at_least(0, note="0 disables it"),
+            dist_timeout=above(0),
+            topk_ratio=custom(
+                lambda v: 0 < v <= 1,
+                "--{flag} {value}: must be in (0, 1], the fraction of gradient entries each rank "
+                "sends (e.g. 0.1)",
+            ),
+        )
+
 
 @dataclass
 class QuantArguments:
@@ -302,6 +392,16 @@ class QuantArguments:
         "Calibration samples taken from --dataset for gptq/awq.", default=128
     )
 
+    def __post_init__(self):
+        check_fields(
+            self,
+            group_size=custom(
+                lambda v: v == -1 or v >= 1,
+                "--{flag} {value}: pass a positive size (e.g. 128) or -1 (per channel)",
+            ),
+            quant_n_samples=custom(lambda v: v >= 1, "--{flag} must be at least 1, not {value}"),
+        )
+
 
 @dataclass
 class ExportArguments:
@@ -330,3 +430,11 @@ class ExportArguments:
         "Export to ONNX through torch's exporter (needs the onnx extra), checked with onnxruntime.",
         default=False,
     )
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            max_shard_size=matching(
+                SHARD_SIZE, "give a whole number and a unit, e.g. 5GB or 500MB"
+            ),
+        )

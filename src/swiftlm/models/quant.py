@@ -11,15 +11,11 @@ the flag and the fix when the library is missing.
 
 import importlib
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from swiftlm.config.sections import QuantArguments
 from swiftlm.errors import ConfigError
-
-if TYPE_CHECKING:
-    from swiftlm.config import TrainConfig
 
 INSTALL_HINT = "pip install 'swiftlm[quant]'"
 BNB_BITS = (4, 8)
@@ -121,55 +117,6 @@ def bnb_config(quant: QuantArguments, compute_dtype: torch.dtype):
 
 
 # ---- training -----------------------------------------------------------------------------
-
-
-def quantized_training_problems(cfg: "TrainConfig") -> list[tuple[bool, str]]:
-    """(failed, message) pairs for `check_config`: what QLoRA training cannot combine with."""
-    q, dist = cfg.quant, cfg.dist
-    if q.quant_method is None:
-        return [
-            (
-                q.quant_bits is not None,
-                f"--quant_bits {q.quant_bits} without --quant_method: add --quant_method bnb "
-                "to train on a quantized base (QLoRA), or drop --quant_bits",
-            )
-        ]
-    method = f"--quant_method {q.quant_method}"
-    return [
-        (
-            q.quant_method != "bnb",
-            f"{method}: training quantizes the frozen base with bitsandbytes only; use "
-            "--quant_method bnb (int8, int4, gptq and awq are `swiftlm export` formats)",
-        ),
-        (
-            q.quant_bits not in (None, *BNB_BITS),
-            f"--quant_bits {q.quant_bits}: bitsandbytes trains on a 4-bit (QLoRA, NF4/FP4) or "
-            "8-bit (LLM.int8) base; pass --quant_bits 4 or 8",
-        ),
-        (
-            cfg.tuner.train_type == "full",
-            f"--train_type full with {method}: quantized weights are frozen and only adapters "
-            "train (QLoRA); use --train_type lora or dora, or drop --quant_method",
-        ),
-        # DeepSpeed trains, but its checkpoints do not resume: the engine reloads the whole
-        # module state strictly, and bitsandbytes' quantization-state entries in it are not
-        # parameters it can load back.
-        (
-            dist.deepspeed is not None or dist.strategy == "deepspeed",
-            f"{method} with --deepspeed: DeepSpeed checkpoints of a bitsandbytes base cannot "
-            "be resumed; use DDP (the default with --nproc_per_node) or --fsdp fsdp2",
-        ),
-        (
-            dist.tensor_parallel_size > 1 or dist.strategy == "tp",
-            f"{method} with tensor parallelism: bitsandbytes layers cannot be split into "
-            "DTensor shards; use DDP (the default with --nproc_per_node) or --fsdp fsdp2",
-        ),
-        (
-            dist.pipeline_parallel_size > 1 or dist.strategy == "pp",
-            f"{method} with --pipeline_parallel_size: pipeline stages train full weights, "
-            "QLoRA trains adapters; use DDP (the default with --nproc_per_node) or --fsdp fsdp2",
-        ),
-    ]
 
 
 def prepare_for_quantized_training(model):

@@ -1,6 +1,13 @@
-"""Checks and defaults of a training config that depend on the method, the model or the
-machine: flag combinations, learning rate, run directory, default data, padding-free and
-`--per_device_train_batch_size auto`."""
+"""Resolving a training config, in two explicit steps.
+
+- `resolve_config`, before the model loads: every default that is known by then, filled in
+  one step (the method's default datasets, the learning rate, the run directory, resume
+  after a torchrun restart, padding-free);
+- `resolve_auto_batch`, once the model has loaded: `--per_device_train_batch_size auto`.
+
+The run directory's config.yaml holds the result, so a rerun or a resume reads the values
+this run used. The rules between flags (`swiftlm.config.rules`) are checked before either.
+"""
 
 import dataclasses
 import os
@@ -10,76 +17,78 @@ from pathlib import Path
 import torch
 
 from swiftlm.config import TrainConfig
-from swiftlm.errors import ConfigError
+from swiftlm.config.rules import Facts, pipeline
+from swiftlm.distributed.launch import launched_by_torchrun
 from swiftlm.models.attention import flash_attention_available
-from swiftlm.models.quant import quantized_training_problems
 from swiftlm.train.autobatch import auto_batch_size
 
 
-def check_config(cfg: TrainConfig) -> None:
-    """Cross-field checks that argparse cannot express."""
-    d, t, o = cfg.data, cfg.train, cfg.output
-    problems = [
-        (d.max_length < 2, "--max_length must be at least 2"),
-        (not 0 <= d.split_dataset_ratio < 1, "--split_dataset_ratio must be in [0, 1)"),
-        (
-            t.per_device_train_batch_size < 0,
-            "--per_device_train_batch_size must be >= 1, or auto",
-        ),
-        (
-            0 < t.max_tokens_per_batch < d.max_length,
-            f"--max_tokens_per_batch {t.max_tokens_per_batch} is below --max_length "
-            f"{d.max_length}: the longest samples would not fit; raise it or lower --max_length",
-        ),
-        (
-            cfg.dist.pipeline_parallel_size > 1
-            and (t.packing or t.padding_free or t.max_tokens_per_batch > 0),
-            "--packing, --padding_free and --max_tokens_per_batch are not available with "
-            "--pipeline_parallel_size (its stages need fixed shapes)",
-        ),
-        (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be >= 1"),
-        (
-            t.max_steps <= 0 and t.num_train_epochs <= 0,
-            "set --num_train_epochs > 0 or --max_steps > 0",
-        ),
-        (cfg.tuner.lora_rank < 1, "--lora_rank must be >= 1"),
-        (o.logging_steps < 1 or o.save_steps < 1, "--logging_steps and --save_steps must be >= 1"),
-        (not 0 <= t.warmup_ratio <= 1, "--warmup_ratio must be in [0, 1]"),
-        (
-            cfg.dist.pipeline_parallel_size > 1 and (d.val_dataset or d.split_dataset_ratio > 0),
-            "evaluation is not available with --pipeline_parallel_size yet; drop --val_dataset "
-            "and --split_dataset_ratio",
-        ),
-    ]
-    problems += quantized_training_problems(cfg)
-    for failed, message in problems:
-        if failed:
-            raise ConfigError(message)
+def run_facts(method_cls) -> Facts:
+    """What the rules check a training config against besides its flags: the method, and the
+    processes torchrun started (1 without torchrun)."""
+    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    return Facts(world_size=world_size, method=method_cls)
 
 
-def resolve_defaults(cfg: TrainConfig, method_cls, model_name: str) -> TrainConfig:
-    """Fill what depends on other options: learning rate, run directory, default data."""
-    cfg = dataclasses.replace(cfg)
-    if not cfg.data.dataset:
-        if not method_cls.default_datasets or cfg.model.model is not None:
-            raise ConfigError(
-                "--dataset is required (a .jsonl/.json/.csv/.parquet/.txt file or hub id)"
-            )
-        cfg.data = dataclasses.replace(cfg.data, dataset=list(method_cls.default_datasets))
-    if cfg.train.learning_rate is None:
-        lr = 1e-5 if cfg.tuner.train_type == "full" else 1e-4
-        cfg.train = dataclasses.replace(cfg.train, learning_rate=lr)
-    if cfg.output.output_dir is None:
-        if cfg.output.resume_from_checkpoint == "auto":
-            raise ConfigError("--resume_from_checkpoint auto needs the --output_dir of the run")
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg.output = dataclasses.replace(cfg.output, output_dir=f"output/{model_name}-{stamp}")
-    if not method_cls.supports_packing and (cfg.train.packing or cfg.train.padding_free):
-        raise ConfigError(
-            f"--packing and --padding_free are not available with {method_cls.name}: its "
-            "samples cannot share a row; drop the flags"
-        )
-    return cfg
+def resolve_config(
+    cfg: TrainConfig, method_cls, model_name: str, device: torch.device
+) -> TrainConfig:
+    """`cfg` with every unset value that is known before the model loads filled in.
+
+    `--per_device_train_batch_size auto` stays as it is (see `resolve_auto_batch`). Assumes
+    the rules hold (`dataset_given`, `resume_auto_needs_output_dir`, ...)."""
+    data, train, output = cfg.data, cfg.train, cfg.output
+    resume = "auto" if restarted_by_torchrun() else output.resume_from_checkpoint
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(data, dataset=data.dataset or list(method_cls.default_datasets)),
+        train=dataclasses.replace(
+            train,
+            learning_rate=(
+                default_learning_rate(cfg.tuner.train_type)
+                if train.learning_rate is None
+                else train.learning_rate
+            ),
+            padding_free=(
+                default_padding_free(cfg, device, method_cls)
+                if train.padding_free is None
+                else train.padding_free
+            ),
+        ),
+        output=dataclasses.replace(
+            output,
+            output_dir=output.output_dir or default_run_dir(model_name),
+            resume_from_checkpoint=resume,
+        ),
+    )
+
+
+def default_learning_rate(train_type: str) -> float:
+    """1e-5 for full fine-tuning, 1e-4 for adapters."""
+    return 1e-5 if train_type == "full" else 1e-4
+
+
+def default_run_dir(model_name: str) -> str:
+    """output/<model name>-<timestamp>."""
+    return f"output/{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def restarted_by_torchrun() -> bool:
+    """A worker restarted by torchrun (--max_restarts) resumes from the newest checkpoint."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def default_padding_free(cfg: TrainConfig, device: torch.device, method_cls) -> bool:
+    """Unset --padding_free: on where dropping padding is a pure gain.
+
+    On CPUs every padding token costs as much as a real one, and per-sample attention is as
+    fast as batched; on CUDA that holds with flash-attn's varlen kernel, while without it
+    per-sample SDPA calls (one host sync per layer) can cost more than the padding saves.
+    Packed rows are already full, pipeline stages need fixed shapes, and some methods' samples
+    cannot share a row.
+    """
+    fixed_shapes = cfg.train.packing or pipeline(cfg.dist) or not method_cls.supports_packing
+    return not fixed_shapes and (device.type == "cpu" or flash_attention_available(device))
 
 
 def _previous_batch_size(run_dir: Path) -> int:
@@ -112,31 +121,4 @@ def resolve_auto_batch(cfg: TrainConfig, model, loss_fn, placement, ctx, log) ->
     log(f"--per_device_train_batch_size auto: {size} ({how})")
     return dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, per_device_train_batch_size=size)
-    )
-
-
-def resolve_padding_free(cfg: TrainConfig, device: torch.device, method_cls) -> TrainConfig:
-    """Unset --padding_free: on where dropping padding is a pure gain.
-
-    On CPUs every padding token costs as much as a real one, and per-sample attention is as
-    fast as batched; on CUDA that holds with flash-attn's varlen kernel, while without it
-    per-sample SDPA calls (one host sync per layer) can cost more than the padding saves.
-    Packed rows are already full, pipeline stages need fixed shapes, and some methods' samples
-    cannot share a row.
-    """
-    if cfg.train.padding_free is not None:
-        return cfg
-    fixed_shapes = (
-        cfg.train.packing or cfg.dist.pipeline_parallel_size > 1 or not method_cls.supports_packing
-    )
-    on = not fixed_shapes and (device.type == "cpu" or flash_attention_available(device))
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, padding_free=on))
-
-
-def resume_after_restart(cfg: TrainConfig) -> TrainConfig:
-    """A worker restarted by torchrun (--max_restarts) resumes from the newest checkpoint."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return cfg
-    return dataclasses.replace(
-        cfg, output=dataclasses.replace(cfg.output, resume_from_checkpoint="auto")
     )

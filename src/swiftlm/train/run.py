@@ -7,6 +7,8 @@ class that satisfies `methods.base.Method` runs the same way.
 from pathlib import Path
 
 from swiftlm.config import TrainConfig, save_config
+from swiftlm.config.rules import check
+from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.data.cache import sample_lengths
 from swiftlm.distributed.env import init_distributed, shutdown_distributed
 from swiftlm.distributed.heartbeat import Heartbeat
@@ -18,13 +20,7 @@ from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.train.batching import describe_plan
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.prepare import make_batch_plan, prepare_data, prepare_model
-from swiftlm.train.resolve import (
-    check_config,
-    resolve_auto_batch,
-    resolve_defaults,
-    resolve_padding_free,
-    resume_after_restart,
-)
+from swiftlm.train.resolve import resolve_auto_batch, resolve_config, run_facts
 from swiftlm.tuners.setup import count_parameters
 
 
@@ -36,16 +32,17 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     """Train with `method_cls` (built as `method_cls(cfg, tokenizer)`); return the summary."""
     from transformers import set_seed
 
-    check_config(cfg)
+    check(cfg, run_facts(method_cls))  # every rule between flags, before anything loads
     ctx = init_distributed(cfg.dist.dist_timeout)
     log = log if ctx.is_main else _silent
     resolved = resolve_model(cfg.model.model) if ctx.is_main else None
     resolved = ctx.broadcast_object(resolved)  # rank 0 converts a GGUF once; others reuse it
-    cfg = resume_after_restart(resolve_defaults(cfg, method_cls, resolved.name))
-    run_dir = Path(cfg.output.output_dir)
     device = pick_device(cfg.model.device, ctx.local_rank)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
-    cfg = resolve_padding_free(cfg, device, method_cls)
+    # Resolved once, on rank 0, for every rank (the default run directory has a timestamp).
+    cfg = resolve_config(cfg, method_cls, resolved.name, device) if ctx.is_main else None
+    cfg = ctx.broadcast_object(cfg)
+    run_dir = Path(cfg.output.output_dir)
     strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train, cfg.data.max_length)
     log(
         f"model {resolved.requested} on {device} x {ctx.world_size} ({type(strategy).__name__}, "
@@ -65,7 +62,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     if cfg.quant.quant_method:
         log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
     method.prepare_model(model, log)
-    if cfg.train.per_device_train_batch_size == 0:
+    if cfg.train.per_device_train_batch_size == AUTO_BATCH_SIZE:  # needs the model
         placement = (device, compute_dtype)
         cfg = resolve_auto_batch(cfg, model, method.loss, placement, ctx, log)
     lengths = sample_lengths(train_data, method.length)

@@ -1,0 +1,442 @@
+"""Every rule between flags (two flags or more, or a flag and a fact of the run), one table
+entry each; checks of one field live on their section. A command calls `check(cfg, facts)`
+once, before anything loads: the first broken rule in table order is raised as a ConfigError
+naming the flags and the fix (later rules may assume that earlier ones hold).
+"""
+
+from typing import Any
+
+from swiftlm.config.checks import Facts, Rule
+from swiftlm.config.commands import ExportConfig, InferConfig, TrainConfig
+from swiftlm.config.sections import AUTO_BATCH_SIZE, DistArguments, QuantArguments
+from swiftlm.errors import ConfigError
+
+
+def failures(cfg: Any, facts: Facts | None = None) -> list[tuple[str, str]]:
+    """(rule name, message) of every rule of `cfg`'s command that the flags break, in order.
+    `facts` default to the world the flags ask for (--nproc_per_node x --nnodes), no method."""
+    dist = getattr(cfg, "dist", None)
+    facts = facts or Facts(world_size=dist.nproc_per_node * dist.nnodes if dist else 1)
+    broken = ((rule.name, rule.failure(cfg, facts)) for rule in RULES[type(cfg)])
+    return [(name, message) for name, message in broken if message]
+
+
+def check(cfg: Any, facts: Facts | None = None) -> None:
+    """Raise a ConfigError with the message of the first rule that `cfg` breaks."""
+    broken = failures(cfg, facts)
+    if broken:
+        raise ConfigError(broken[0][1])
+
+
+# ---- training: data, steps, the method, the run directory -----------------------------------
+
+TRAIN_RULES = (
+    Rule(
+        "steps_or_epochs",
+        lambda c, f: c.train.max_steps <= 0 and c.train.num_train_epochs <= 0,
+        "set --num_train_epochs > 0 or --max_steps > 0",
+    ),
+    Rule(
+        "token_budget_fits_max_length",
+        lambda c, f: 0 < c.train.max_tokens_per_batch < c.data.max_length,
+        "--max_tokens_per_batch {max_tokens_per_batch} is below --max_length {max_length}: the "
+        "longest samples would not fit; raise it or lower --max_length",
+    ),
+    Rule(
+        "dataset_given",
+        lambda c, f: (
+            f.method is not None
+            and not c.data.dataset
+            and (not f.method.default_datasets or c.model.model is not None)
+        ),
+        "--dataset is required (a .jsonl/.json/.csv/.parquet/.txt file or hub id)",
+    ),
+    Rule(
+        "method_shares_rows",
+        lambda c, f: (
+            f.method is not None
+            and not f.method.supports_packing
+            and (c.train.packing or bool(c.train.padding_free))
+        ),
+        "--packing and --padding_free are not available with {method.name}: its samples "
+        "cannot share a row; drop the flags",
+    ),
+    Rule(
+        "resume_auto_needs_output_dir",
+        lambda c, f: c.output.resume_from_checkpoint == "auto" and c.output.output_dir is None,
+        "--resume_from_checkpoint auto needs the --output_dir of the run",
+    ),
+)
+
+# ---- training: pipeline parallel --------------------------------------------------------------
+
+
+def pipeline(d: DistArguments) -> bool:
+    """The flags ask for pipeline stages."""
+    return d.pipeline_parallel_size > 1 or d.strategy == "pp"
+
+
+def tensor_parallel(d: DistArguments) -> bool:
+    """The flags ask for tensor parallel."""
+    return d.tensor_parallel_size > 1 or d.strategy == "tp"
+
+
+def deepspeed(d: DistArguments) -> bool:
+    """The flags ask for DeepSpeed."""
+    return d.deepspeed is not None or d.strategy == "deepspeed"
+
+
+PIPELINE_RULES = (
+    Rule(
+        "pipeline_fixed_shapes",
+        lambda c, f: (
+            pipeline(c.dist)
+            and (c.train.packing or bool(c.train.padding_free) or c.train.max_tokens_per_batch > 0)
+        ),
+        "--packing, --padding_free and --max_tokens_per_batch are not available with "
+        "--pipeline_parallel_size (its stages need fixed shapes)",
+    ),
+    Rule(
+        "pipeline_fixed_batch_size",
+        lambda c, f: pipeline(c.dist) and c.train.per_device_train_batch_size == AUTO_BATCH_SIZE,
+        "--per_device_train_batch_size auto is not available with --pipeline_parallel_size (its "
+        "stages exchange fixed shapes); give a number",
+    ),
+    Rule(
+        "pipeline_without_evaluation",
+        lambda c, f: pipeline(c.dist) and bool(c.data.val_dataset or c.data.split_dataset_ratio),
+        "evaluation is not available with --pipeline_parallel_size yet; drop --val_dataset and "
+        "--split_dataset_ratio",
+    ),
+    Rule(
+        "pipeline_without_float16",
+        lambda c, f: pipeline(c.dist) and c.model.torch_dtype == "float16",
+        "--torch_dtype float16 is not available with --pipeline_parallel_size (its schedule runs "
+        "backward without fp16 loss scaling); use bfloat16 or float32",
+    ),
+)
+
+# ---- training: distributed engines ------------------------------------------------------------
+# What combines: DDP or FSDP2 (--fsdp) as data parallel, each with --pipeline_parallel_size or
+# --tensor_parallel_size over the other processes; DeepSpeed alone.
+
+# (asks for it, its name): the engines that replace DDP's plain gradient all-reduce.
+ENGINES_BESIDES_DDP = (
+    (deepspeed, "DeepSpeed"),
+    (pipeline, "pipeline parallel"),
+    (tensor_parallel, "tensor parallel"),
+    (lambda d: d.fsdp is not None or d.strategy == "fsdp2", "FSDP2"),
+)
+
+
+def _engine_besides_ddp(d: DistArguments) -> str | None:
+    return next((name for asks, name in ENGINES_BESIDES_DDP if asks(d)), None)
+
+
+ENGINE_RULES = (
+    Rule(
+        "node_rank_below_nnodes",
+        lambda c, f: c.dist.node_rank >= c.dist.nnodes,
+        "--node_rank {node_rank} must be below --nnodes {nnodes} (ranks 0 .. nnodes-1)",
+    ),
+    Rule(
+        "deepspeed_alone",
+        lambda c, f: (
+            c.dist.deepspeed is not None
+            and (c.dist.pipeline_parallel_size > 1 or c.dist.tensor_parallel_size > 1)
+        ),
+        "--deepspeed owns the model and optimizer and cannot be combined with "
+        "--pipeline_parallel_size / --tensor_parallel_size; drop --deepspeed and use "
+        "--fsdp fsdp2 for sharded data parallel with them",
+    ),
+    Rule(
+        "deepspeed_one_engine",
+        lambda c, f: (
+            c.dist.deepspeed is not None
+            and (c.dist.fsdp is not None or c.dist.strategy not in ("auto", "deepspeed"))
+        ),
+        "--deepspeed conflicts with --fsdp / --strategy; pick one engine",
+    ),
+    Rule(
+        "strategy_deepspeed_needs_config",
+        lambda c, f: c.dist.strategy == "deepspeed" and c.dist.deepspeed is None,
+        "--strategy deepspeed needs --deepspeed zero1|zero2|zero3|<config.json>",
+    ),
+    Rule(
+        "fsdp_with_strategy",
+        lambda c, f: c.dist.fsdp is not None and c.dist.strategy in ("single", "ddp"),
+        "--fsdp conflicts with --strategy {strategy}",
+    ),
+    Rule(
+        "pipeline_with_tensor_parallel",
+        lambda c, f: pipeline(c.dist) and tensor_parallel(c.dist),
+        "--pipeline_parallel_size with --tensor_parallel_size is not supported yet; use one of "
+        "them (each combines with data parallel over the other processes)",
+    ),
+    Rule(
+        "ddp_with_tensor_parallel",
+        lambda c, f: c.dist.strategy == "ddp" and c.dist.tensor_parallel_size > 1,
+        "--strategy ddp cannot replicate tensor-parallel (DTensor) weights; with "
+        "--tensor_parallel_size the data-parallel groups use FSDP2: drop --strategy ddp",
+    ),
+    Rule(
+        "tensor_parallel_without_dora",
+        lambda c, f: tensor_parallel(c.dist) and c.tuner.train_type == "dora",
+        "--tensor_parallel_size with --train_type dora: DoRA normalizes each full weight "
+        "column, which tensor parallel splits; use lora, or fsdp2 for DoRA",
+    ),
+    Rule(
+        "grad_compression_needs_ddp",
+        lambda c, f: c.dist.grad_compression != "none" and _engine_besides_ddp(c.dist) is not None,
+        lambda c, f: (
+            f"--grad_compression {c.dist.grad_compression} compresses DDP's all-reduce; "
+            f"{_engine_besides_ddp(c.dist)} does not use it: drop the flag or use DDP"
+        ),
+    ),
+    Rule(
+        "deepspeed_steps_itself",
+        lambda c, f: deepspeed(c.dist) and c.train.nonfinite_loss == "skip",
+        "--nonfinite_loss skip is not available with --deepspeed: its engine steps on its own "
+        "schedule (its fp16 loss scaler skips overflowing steps itself)",
+    ),
+    Rule(
+        "single_is_one_process",
+        lambda c, f: c.dist.strategy == "single" and f.world_size > 1,
+        "--strategy single cannot run with several processes; use ddp or fsdp2",
+    ),
+    Rule(
+        "split_size_divides_world",
+        lambda c, f: (
+            f.world_size > 1
+            and c.dist.deepspeed is None
+            and f.world_size % (c.dist.pipeline_parallel_size * c.dist.tensor_parallel_size) != 0
+        ),
+        lambda c, f: (
+            f"--{'pipeline' if c.dist.pipeline_parallel_size > 1 else 'tensor'}_parallel_size "
+            f"{c.dist.pipeline_parallel_size * c.dist.tensor_parallel_size} must divide the "
+            f"number of processes ({f.world_size}): the rest of the world forms data-parallel "
+            "groups"
+        ),
+    ),
+)
+
+# ---- training: a quantized base (QLoRA) -------------------------------------------------------
+
+BNB_BITS = (4, 8)
+BNB_BITS_RULE = Rule(
+    "bnb_bits",
+    lambda c, f: c.quant.quant_method == "bnb" and c.quant.quant_bits not in (None, *BNB_BITS),
+    "--quant_bits {quant_bits} with --quant_method bnb: bitsandbytes stores weights in 4 bits "
+    "(NF4/FP4, QLoRA) or 8 bits (LLM.int8); pass --quant_bits 4 or 8",
+)
+
+
+def _quantized(c: Any) -> bool:
+    return c.quant.quant_method is not None
+
+
+QLORA_RULES = (
+    Rule(
+        "quant_bits_need_quant_method",
+        lambda c, f: not _quantized(c) and c.quant.quant_bits is not None,
+        "--quant_bits {quant_bits} without --quant_method: add --quant_method bnb to train on a "
+        "quantized base (QLoRA), or drop --quant_bits",
+    ),
+    Rule(
+        "qlora_with_bitsandbytes",
+        lambda c, f: _quantized(c) and c.quant.quant_method != "bnb",
+        "--quant_method {quant_method}: training quantizes the frozen base with bitsandbytes "
+        "only; use --quant_method bnb (int8, int4, gptq and awq are `swiftlm export` formats)",
+    ),
+    BNB_BITS_RULE,
+    Rule(
+        "qlora_trains_adapters",
+        lambda c, f: _quantized(c) and c.tuner.train_type == "full",
+        "--train_type full with --quant_method {quant_method}: quantized weights are frozen and "
+        "only adapters train (QLoRA); use --train_type lora or dora, or drop --quant_method",
+    ),
+    # DeepSpeed trains, but its checkpoints do not resume: the engine reloads the whole module
+    # state strictly, and bitsandbytes' quantization-state entries are not parameters it can
+    # load back.
+    Rule(
+        "qlora_without_deepspeed",
+        lambda c, f: _quantized(c) and deepspeed(c.dist),
+        "--quant_method {quant_method} with --deepspeed: DeepSpeed checkpoints of a "
+        "bitsandbytes base cannot be resumed; use DDP (the default with --nproc_per_node) or "
+        "--fsdp fsdp2",
+    ),
+    Rule(
+        "qlora_without_tensor_parallel",
+        lambda c, f: _quantized(c) and tensor_parallel(c.dist),
+        "--quant_method {quant_method} with tensor parallelism: bitsandbytes layers cannot be "
+        "split into DTensor shards; use DDP (the default with --nproc_per_node) or --fsdp fsdp2",
+    ),
+    Rule(
+        "qlora_without_pipeline",
+        lambda c, f: _quantized(c) and pipeline(c.dist),
+        "--quant_method {quant_method} with --pipeline_parallel_size: pipeline stages train "
+        "full weights, QLoRA trains adapters; use DDP (the default with --nproc_per_node) or "
+        "--fsdp fsdp2",
+    ),
+)
+
+# ---- infer ------------------------------------------------------------------------------------
+
+INFER_RULES = (
+    Rule(
+        "prompts_from_val_dataset",
+        lambda c, f: bool(c.data.dataset) and not c.data.val_dataset,
+        lambda c, f: (
+            "swiftlm infer reads prompts from --val_dataset, not --dataset; "
+            f"use --val_dataset {' '.join(c.data.dataset)}"
+        ),
+    ),
+    Rule(
+        "result_path_needs_prompts",
+        lambda c, f: bool(c.infer.result_path) and not c.data.val_dataset,
+        "--result_path is for batch mode; give the prompts with --val_dataset",
+    ),
+    Rule(
+        "ckpt_dir_or_adapters",
+        lambda c, f: bool(c.infer.ckpt_dir) and bool(c.infer.adapters),
+        "--ckpt_dir and --adapters both given: pass the checkpoint as --ckpt_dir, or the "
+        "adapter folders as --adapters (with --model for their base model), not both",
+    ),
+)
+
+# ---- export -----------------------------------------------------------------------------------
+
+TORCHAO_BITS = {"int8": 8, "int4": 4}
+CALIBRATED_BITS = {"gptq": (4, 8), "awq": (4,)}  # the first is the default
+GROUP_SIZES = (32, 64, 128)  # torchao's int4 kernels and AWQ's packed GEMM take these only
+MIN_CALIBRATION_TOKENS = 10  # shorter samples carry too few activations to matter
+FORMAT_FLAGS = {"gguf": "--to_gguf", "quantized": "--quant_method", "onnx": "--to_onnx"}
+
+
+def export_formats(c: ExportConfig) -> list[str]:
+    """The output formats the flags ask for (--merge_lora alone is none of them)."""
+    e = c.export
+    asked = {
+        "gguf": e.to_gguf or e.to_ollama,
+        "quantized": c.quant.quant_method is not None,
+        "onnx": e.to_onnx,
+    }
+    return [name for name, on in asked.items() if on]
+
+
+def _torchao_bits_message(c: ExportConfig, f: Facts) -> str:
+    q, implied = c.quant, TORCHAO_BITS[c.quant.quant_method]
+    matching = {8: "int8", 4: "int4"}.get(q.quant_bits)
+    fix = "drop --quant_bits" + (f", or use --quant_method {matching}" if matching else "")
+    return (
+        f"--quant_bits {q.quant_bits} contradicts --quant_method {q.quant_method}, which stores "
+        f"{implied}-bit weights; {fix}"
+    )
+
+
+def _calibrated_bits(q: QuantArguments) -> int:
+    return CALIBRATED_BITS[q.quant_method][0] if q.quant_bits is None else q.quant_bits
+
+
+def _bnb_4bit_flags(q: QuantArguments) -> list[str]:
+    """The bitsandbytes 4-bit flags given, as `--flag value`."""
+    defaults = QuantArguments()
+    names = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+    return [f"--{n} {getattr(q, n)}" for n in names if getattr(q, n) != getattr(defaults, n)]
+
+
+EXPORT_RULES = (
+    Rule(
+        "one_export_format",
+        lambda c, f: len(export_formats(c)) > 1,
+        lambda c, f: (
+            f"{' and '.join(FORMAT_FLAGS[name] for name in export_formats(c))} both given: "
+            "export one format per command, each to its own --output_dir"
+        ),
+    ),
+    Rule(
+        "something_to_export",
+        lambda c, f: not export_formats(c) and not c.export.merge_lora,
+        "nothing to export: pass --merge_lora, --to_gguf (--to_ollama), --quant_method "
+        "bnb|int8|int4|gptq|awq, or --to_onnx",
+    ),
+    Rule(
+        "export_output_dir_given",
+        lambda c, f: not c.export.output_dir,
+        "--output_dir is required: the folder to write the exported model to",
+    ),
+    BNB_BITS_RULE,
+    Rule(
+        "torchao_bits",
+        lambda c, f: (
+            c.quant.quant_method in TORCHAO_BITS
+            and c.quant.quant_bits not in (None, TORCHAO_BITS[c.quant.quant_method])
+        ),
+        _torchao_bits_message,
+    ),
+    Rule(
+        "calibrated_bits",
+        lambda c, f: (
+            c.quant.quant_method in CALIBRATED_BITS
+            and _calibrated_bits(c.quant) not in CALIBRATED_BITS[c.quant.quant_method]
+        ),
+        lambda c, f: (
+            f"--quant_method {c.quant.quant_method} takes --quant_bits "
+            f"{' or '.join(map(str, CALIBRATED_BITS[c.quant.quant_method]))}, "
+            f"not {_calibrated_bits(c.quant)}"
+        ),
+    ),
+    Rule(
+        "bnb_4bit_flags_need_bnb_4bit",
+        lambda c, f: (
+            c.quant.quant_method in ("bnb", *TORCHAO_BITS)
+            and bool(_bnb_4bit_flags(c.quant))
+            and not (c.quant.quant_method == "bnb" and c.quant.quant_bits in (None, 4))
+        ),
+        lambda c, f: (
+            f"{' '.join(_bnb_4bit_flags(c.quant))} applies to --quant_method bnb --quant_bits 4 "
+            f"only, not to --quant_method {c.quant.quant_method}"
+            f"{'' if c.quant.quant_bits is None else f' --quant_bits {c.quant.quant_bits}'}; drop it"
+        ),
+    ),
+    Rule(
+        "group_size_needs_grouped_method",
+        lambda c, f: (
+            c.quant.quant_method in ("bnb", "int8")
+            and c.quant.group_size != QuantArguments().group_size
+        ),
+        "--group_size {group_size} applies to --quant_method int4, gptq and awq, not to "
+        "--quant_method {quant_method} (whose scales are per block of 64 weights for bnb "
+        "4-bit, per row for 8-bit); drop it",
+    ),
+    Rule(
+        "int4_group_size",
+        lambda c, f: c.quant.quant_method == "int4" and c.quant.group_size not in GROUP_SIZES,
+        "--group_size {group_size} with --quant_method int4: torchao's int4 kernels take "
+        "--group_size 32, 64 or 128",
+    ),
+    Rule(
+        "awq_group_size",
+        lambda c, f: c.quant.quant_method == "awq" and c.quant.group_size not in GROUP_SIZES,
+        "--quant_method awq takes --group_size 32, 64 or 128, not {group_size}",
+    ),
+    Rule(
+        "calibration_sample_length",
+        lambda c, f: (
+            c.quant.quant_method in CALIBRATED_BITS and c.data.max_length < MIN_CALIBRATION_TOKENS
+        ),
+        "--max_length {max_length}: calibration samples need at least 10 tokens",
+    ),
+    Rule(
+        "onnx_float32",
+        lambda c, f: c.export.to_onnx and c.model.torch_dtype not in ("auto", "float32"),
+        "--torch_dtype {torch_dtype}: --to_onnx writes and checks float32 weights; drop "
+        "--torch_dtype (or pass float32)",
+    ),
+)
+
+RULES: dict[type, tuple[Rule, ...]] = {
+    TrainConfig: TRAIN_RULES + PIPELINE_RULES + ENGINE_RULES + QLORA_RULES,
+    InferConfig: INFER_RULES,
+    ExportConfig: EXPORT_RULES,
+}
