@@ -4,7 +4,8 @@ Full fine-tuning of the packaged SmolLM2-135M-Instruct (fp32 weights + AdamW sta
 of model state) for a few steps with 2 processes (gloo on CPU, NCCL on GPUs), one run per
 strategy. What it shows is how the model state per rank shrinks as more of it is sharded:
 DDP replicates everything, ZeRO-2 shards optimizer states and gradients, FSDP2 and ZeRO-3 also
-shard the weights, TP splits the block weights.
+shard the weights, TP splits the block weights. (Pipeline parallel is not in the table:
+SmolLM2 ties its embeddings to its LM head, which would sit on different stages.)
 
     python benchmarks/distributed_memory.py [--steps 3] [--nproc 2] [--strategies ddp fsdp2 ...]
 

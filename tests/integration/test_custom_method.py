@@ -184,7 +184,8 @@ def test_custom_method_trains_alike_in_one_process_ddp_and_fsdp2(tiny_model_dir,
         assert logged(tmp_path / name, "weighted_tokens") == pytest.approx([1.0] * 4), name
         adapter = "adapter_model.safetensors"
         a, b = tmp_path / "single" / "final" / adapter, tmp_path / name / "final" / adapter
-        assert max_weight_difference(a, b) < 1e-5, name
+        # Adam magnifies summation-order noise in near-zero gradients (as for TP and PP x DDP).
+        assert max_weight_difference(a, b) < 5e-5, name
 
 
 def main(argv: list[str]) -> int:

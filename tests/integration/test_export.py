@@ -46,3 +46,7 @@ def test_export_errors_name_the_fix(lora_run, tiny_model_dir, tmp_path, capsys):
     argv = ["export", "--model", str(tiny_model_dir), "--merge_lora", "true"]
     assert main([*argv, "--output_dir", str(tmp_path / "b")]) == 2
     assert "--merge_lora needs adapters" in capsys.readouterr().err
+    both = ["--ckpt_dir", str(lora_run), "--adapters", str(lora_run / "final")]
+    assert main(["export", *both, "--merge_lora", "true", "--output_dir", str(tmp_path / "c")]) == 2
+    assert "--ckpt_dir and --adapters both given" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()

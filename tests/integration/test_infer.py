@@ -175,9 +175,16 @@ def test_incomplete_checkpoint_is_refused(run_dir):
     )
 
 
-def test_conflicting_model_flags_are_config_errors(run_dir):
-    with pytest.raises(ConfigError, match="--ckpt_dir and --adapters both given"):
-        resolve_inference_model(infer_config(ckpt_dir=str(run_dir), adapters=[str(run_dir)]))
+def test_conflicting_model_flags_are_config_errors(run_dir, monkeypatch):
+    both = infer_config(ckpt_dir=str(run_dir), adapters=[str(run_dir)])
+    with monkeypatch.context() as patch:
+        patch.setattr(run_module, "resolve_inference_model", None)  # fails if reached
+        with pytest.raises(ConfigError) as info:
+            run(both)  # the rule `ckpt_dir_or_adapters`, checked before anything loads
+    assert str(info.value) == (
+        "--ckpt_dir and --adapters both given: pass the checkpoint as --ckpt_dir, or the "
+        "adapter folders as --adapters (with --model for their base model), not both"
+    )
     cfg = InferConfig(model=ModelArguments(model=str(run_dir)))
     with pytest.raises(ConfigError, match=f"load it with --ckpt_dir {run_dir}"):
         resolve_inference_model(cfg)
@@ -365,11 +372,10 @@ def test_chat_commands_clear_and_exit(run_dir, monkeypatch, capsys):
     )
 
 
-def test_bad_generation_flags_fail_before_loading(monkeypatch):
-    monkeypatch.setattr(run_module, "resolve_inference_model", None)  # fails if reached
-    cfg = InferConfig(generation=GenerationArguments(temperature=-1, top_p=0))
+def test_bad_generation_flags_fail_before_loading():
+    # GenerationArguments checks its fields when it is built: before any model can load.
     with pytest.raises(ConfigError) as info:
-        run(cfg)
+        GenerationArguments(temperature=-1, top_p=0)
     assert str(info.value) == (
         "--temperature -1 must be 0 (greedy) or more; --top_p 0 must be in (0, 1]"
     )

@@ -4,10 +4,13 @@ import pytest
 
 from conftest import logged, max_weight_difference, tiny_sft
 from swiftlm.cli.main import main
+from swiftlm.config import TrainConfig
+from swiftlm.config.checks import Facts
+from swiftlm.config.rules import check
 from swiftlm.config.sections import DistArguments
-from swiftlm.distributed.env import DistContext
-from swiftlm.distributed.strategy import choose_strategy_name
-from swiftlm.distributed.tp import TensorParallelStrategy
+from swiftlm.distributed.mesh import ParallelDims
+from swiftlm.distributed.strategy import plan_parallelism
+from swiftlm.distributed.tp import check_divisible, layer_plan
 from swiftlm.errors import ConfigError
 
 FULL = "model.safetensors"
@@ -30,7 +33,7 @@ def assert_same_training(single, parallel):
     assert max_weight_difference(single / "final" / FULL, parallel / "final" / FULL) < 5e-5
 
 
-def test_tp_full_fine_tuning_matches_a_single_process(tiny_model_dir, chat_jsonl, tmp_path, capfd):
+def test_tp_full_fine_tuning_matches_a_single_process(tiny_model_dir, chat_jsonl, tmp_path):
     single, tp = tmp_path / "single", tmp_path / "tp"
     batch = dict(per_device_train_batch_size=4, **STEPS)
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **batch)) == 0
@@ -48,8 +51,23 @@ def test_tp_full_fine_tuning_matches_a_single_process(tiny_model_dir, chat_jsonl
         )
         == 0
     )
-    assert "x 2 (TensorParallelStrategy" in capfd.readouterr().out
     assert_same_training(single, tp)
+    assert (tp / "checkpoints" / "step-5" / "dcp").is_dir()
+
+
+def test_lora_under_tp_matches_a_single_process(tiny_model_dir, chat_jsonl, tmp_path):
+    # Every projection adapted: q/k/v/gate/up split lora_B, o/down split lora_A.
+    lora = dict(STEPS, train_type="lora", learning_rate="1e-2", lora_dropout=0)
+    lora["target_modules"] = "all-linear"
+    single, tp = tmp_path / "single", tmp_path / "tp"
+    batch = dict(per_device_train_batch_size=4, **lora)
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **batch)) == 0
+    two = dict(nproc_per_node=2, tensor_parallel_size=2, master_port=29663)
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, tp, **batch, **two)) == 0
+    assert logged(tp) == pytest.approx(logged(single), abs=1e-5)
+    assert logged(tp, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
+    adapter = "adapter_model.safetensors"
+    assert max_weight_difference(single / "final" / adapter, tp / "final" / adapter) < 1e-5
     assert (tp / "checkpoints" / "step-5" / "dcp").is_dir()
 
 
@@ -78,23 +96,56 @@ def test_tp_and_fsdp2_on_a_2d_mesh_match_a_single_process(tiny_model_dir, chat_j
     assert_same_training(single, mesh)
 
 
-def test_tp_rejects_adapters_and_indivisible_heads(tiny_model_dir):
+def test_parallel_dims_from_the_flags():
+    two_d = plan_parallelism(DistArguments(tensor_parallel_size=2), 4)
+    assert two_d == ParallelDims(dp=2, tp=2, data_parallel="fsdp2")  # DDP cannot hold DTensors
+    assert two_d.coordinates(3) == (0, 1, 1)  # rank 3 = data group 1, tensor rank 1
+    assert str(two_d) == "tensor parallel 2 x FSDP2 2"
+    assert plan_parallelism(DistArguments(tensor_parallel_size=2), 2) == ParallelDims(tp=2)
+    assert plan_parallelism(DistArguments(strategy="tp"), 2) == ParallelDims(tp=2)
+    pp_ddp = plan_parallelism(DistArguments(pipeline_parallel_size=2), 4)
+    assert pp_ddp == ParallelDims(pp=2, dp=2) and str(pp_ddp) == "pipeline parallel 2 x DDP 2"
+    assert pp_ddp.coordinates(2) == (1, 0, 0)  # stages outermost: ranks 2, 3 hold stage 1
+    pp_fsdp = plan_parallelism(DistArguments(pipeline_parallel_size=2, fsdp="fsdp2"), 4)
+    assert pp_fsdp == ParallelDims(pp=2, dp=2, data_parallel="fsdp2")
+    assert plan_parallelism(DistArguments(deepspeed="zero2"), 2).data_parallel == "deepspeed"
+    assert str(plan_parallelism(DistArguments(), 2)) == "DDP 2"
+    assert str(plan_parallelism(DistArguments(tensor_parallel_size=2), 1)) == "one process"
+
+
+@pytest.mark.parametrize(
+    ("flags", "world", "message"),
+    [
+        (dict(tensor_parallel_size=2), 3, "--tensor_parallel_size 2 must divide the number"),
+        (dict(pipeline_parallel_size=2), 3, "--pipeline_parallel_size 2 must divide the number"),
+        (dict(pipeline_parallel_size=2, tensor_parallel_size=2), 4, "not supported yet"),
+        (dict(tensor_parallel_size=2, deepspeed="zero2"), 4, "drop --deepspeed"),
+        (dict(tensor_parallel_size=2, strategy="ddp"), 4, "drop --strategy ddp"),
+        (dict(strategy="single"), 2, "cannot run with several processes"),
+        (dict(fsdp="hybrid"), 2, "use fsdp2"),
+    ],
+)
+def test_conflicting_parallelism_flags_are_named(flags, world, message):
+    """The rules run by every training command before anything loads (config/rules.py)."""
+    with pytest.raises(ConfigError, match=message):
+        check(TrainConfig(dist=DistArguments(**flags)), Facts(world_size=world))
+
+
+def test_tp_plan_splits_lora_like_its_base_and_refuses_dora_and_odd_sizes(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    strategy = TensorParallelStrategy(DistContext(rank=0, world_size=2), "cpu", 2)
-    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2))
-    with pytest.raises(ConfigError, match="LoRA/DoRA adapters are not supported"):
-        strategy.wrap(lora)
-    three = TensorParallelStrategy(DistContext(rank=0, world_size=3), "cpu", 3)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) is not divisible"):
-        three.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
-    with pytest.raises(ConfigError, match="must divide the number of processes"):
-        TensorParallelStrategy(DistContext(rank=0, world_size=3), "cpu", 2)
-    two_d = TensorParallelStrategy(DistContext(rank=3, world_size=4), "cpu", 2)
-    assert (two_d.dp_rank, two_d.dp_size) == (1, 2)  # rank 3 = data group 1, tensor rank 1
-    assert choose_strategy_name(DistArguments(tensor_parallel_size=2), 2) == "tp"
-    assert choose_strategy_name(DistArguments(pipeline_parallel_size=2), 2) == "pp"
-    assert choose_strategy_name(DistArguments(deepspeed="zero2"), 2) == "deepspeed"
-    assert choose_strategy_name(DistArguments(), 2) == "ddp"
-    assert choose_strategy_name(DistArguments(), 1) == "single"
+        check_divisible(base.config, 3)
+    lora = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "o_proj"]))
+    plan = layer_plan(lora.get_decoder().layers[0])
+    assert plan["self_attn.q_proj.base_layer"] == plan["self_attn.q_proj.lora_B.default"]
+    assert plan["self_attn.o_proj.base_layer"] == plan["self_attn.o_proj.lora_A.default"]
+    assert "self_attn.q_proj.lora_A.default" not in plan  # whole on every rank
+    assert plan["self_attn.k_proj"] == "colwise"  # no adapter: split as is
+    dora = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, use_dora=True)
+    )
+    with pytest.raises(ConfigError, match="DoRA"):
+        layer_plan(dora.get_decoder().layers[0])

@@ -9,23 +9,26 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from swiftlm.distributed.env import DistContext  # noqa: E402
-from swiftlm.distributed.single import SingleStrategy  # noqa: E402
-from swiftlm.errors import CheckpointError
-from swiftlm.train.checkpoint import (
-    capture_rng,
+from swiftlm.checkpoint import (
     checkpoint_dir,
     find_resume_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    optimizer_from_files,
-    optimizer_to_files,
     prune_checkpoints,
-    restore_rng,
     save_checkpoint,
 )
+from swiftlm.checkpoint.tensors import (
+    capture_rng,
+    optimizer_from_files,
+    optimizer_to_files,
+    restore_rng,
+)
+from swiftlm.config.sections import DistArguments
+from swiftlm.distributed.env import DistContext
+from swiftlm.distributed.strategy import build_strategy
+from swiftlm.errors import CheckpointError
 
-SINGLE = SingleStrategy(DistContext())
+SINGLE = build_strategy(DistArguments(), DistContext(), torch.device("cpu"))
 
 
 @pytest.fixture(autouse=True)

@@ -274,13 +274,21 @@ QLORA_RULES = (
     Rule(
         "qlora_without_pipeline",
         lambda c, f: _quantized(c) and pipeline(c.dist),
-        "--quant_method {quant_method} with --pipeline_parallel_size: pipeline stages train "
-        "full weights, QLoRA trains adapters; use DDP (the default with --nproc_per_node) or "
+        "--quant_method {quant_method} with --pipeline_parallel_size: bitsandbytes layers are "
+        "not supported inside pipeline stages; use DDP (the default with --nproc_per_node) or "
         "--fsdp fsdp2",
     ),
 )
 
 # ---- infer ------------------------------------------------------------------------------------
+
+# Both commands load their model through `infer/resolve.py`, which reads one of the two.
+CKPT_DIR_OR_ADAPTERS_RULE = Rule(
+    "ckpt_dir_or_adapters",
+    lambda c, f: bool(c.infer.ckpt_dir) and bool(c.infer.adapters),
+    "--ckpt_dir and --adapters both given: pass the checkpoint as --ckpt_dir, or the "
+    "adapter folders as --adapters (with --model for their base model), not both",
+)
 
 INFER_RULES = (
     Rule(
@@ -296,12 +304,7 @@ INFER_RULES = (
         lambda c, f: bool(c.infer.result_path) and not c.data.val_dataset,
         "--result_path is for batch mode; give the prompts with --val_dataset",
     ),
-    Rule(
-        "ckpt_dir_or_adapters",
-        lambda c, f: bool(c.infer.ckpt_dir) and bool(c.infer.adapters),
-        "--ckpt_dir and --adapters both given: pass the checkpoint as --ckpt_dir, or the "
-        "adapter folders as --adapters (with --model for their base model), not both",
-    ),
+    CKPT_DIR_OR_ADAPTERS_RULE,
 )
 
 # ---- export -----------------------------------------------------------------------------------
@@ -309,7 +312,8 @@ INFER_RULES = (
 TORCHAO_BITS = {"int8": 8, "int4": 4}
 CALIBRATED_BITS = {"gptq": (4, 8), "awq": (4,)}  # the first is the default
 GROUP_SIZES = (32, 64, 128)  # torchao's int4 kernels and AWQ's packed GEMM take these only
-MIN_CALIBRATION_TOKENS = 10  # shorter samples carry too few activations to matter
+# Shorter samples carry too few activations to matter (gptqmodel drops those under 10 too).
+MIN_CALIBRATION_TOKENS = 10
 FORMAT_FLAGS = {"gguf": "--to_gguf", "quantized": "--quant_method", "onnx": "--to_onnx"}
 
 
@@ -365,6 +369,7 @@ EXPORT_RULES = (
         lambda c, f: not c.export.output_dir,
         "--output_dir is required: the folder to write the exported model to",
     ),
+    CKPT_DIR_OR_ADAPTERS_RULE,
     BNB_BITS_RULE,
     Rule(
         "torchao_bits",
@@ -425,7 +430,8 @@ EXPORT_RULES = (
         lambda c, f: (
             c.quant.quant_method in CALIBRATED_BITS and c.data.max_length < MIN_CALIBRATION_TOKENS
         ),
-        "--max_length {max_length}: calibration samples need at least 10 tokens",
+        f"--max_length {{max_length}}: calibration samples need at least "
+        f"{MIN_CALIBRATION_TOKENS} tokens",
     ),
     Rule(
         "onnx_float32",

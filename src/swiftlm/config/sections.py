@@ -290,13 +290,15 @@ class DistArguments:
         default="auto",
     )
     tensor_parallel_size: int = doc(
-        "Split each decoder block's projections over this many processes (DTensor tensor "
-        "parallel). With more processes, TP groups are also sharded by FSDP2 on a 2-D mesh.",
+        "Split each decoder block's projections (and their LoRA adapters) over this many "
+        "processes (DTensor tensor parallel). The other processes form data-parallel groups "
+        "sharded by FSDP2 on the same mesh.",
         default=1,
     )
     pipeline_parallel_size: int = doc(
-        "Split the decoder blocks into this many pipeline stages (one per process; 1F1B "
-        "schedule over the --gradient_accumulation_steps micro-batches; full fine-tuning).",
+        "Split the decoder blocks into this many pipeline stages (1F1B schedule over the "
+        "--gradient_accumulation_steps micro-batches; full or LoRA). The other processes form "
+        "data-parallel groups: DDP, or FSDP2 with --fsdp fsdp2.",
         default=1,
     )
     deepspeed: str | None = doc(

@@ -28,7 +28,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from swiftlm.config.sections import DistArguments
-from swiftlm.errors import ConfigError
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 # Top-k sends each kept entry as an fp16 value and an int16 position inside its block of
@@ -276,19 +275,6 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 # ---- choosing ---------------------------------------------------------------------------
 
 
-def check_compression(args: DistArguments) -> None:
-    """Reject a bad --grad_compression / --topk_ratio before any model is loaded."""
-    if args.grad_compression not in COMPRESSIONS:
-        raise ConfigError(
-            f"--grad_compression {args.grad_compression}: use one of {', '.join(COMPRESSIONS)}"
-        )
-    if args.grad_compression == "topk" and not 0 < args.topk_ratio <= 1:
-        raise ConfigError(
-            f"--topk_ratio {args.topk_ratio}: must be in (0, 1], the fraction of gradient "
-            "entries each rank sends (e.g. 0.1)"
-        )
-
-
 def register_compression(
     ddp_model: torch.nn.Module, args: DistArguments, process_group: dist.ProcessGroup | None = None
 ) -> CommStats:
@@ -297,7 +283,6 @@ def register_compression(
     Must run before the first forward. `none` also registers a (counting) hook, in place of
     DDP's built-in C++ all-reduce, so that every run can report its bytes.
     """
-    check_compression(args)
     method = args.grad_compression
     stats = CommStats(method)
     common = HookState(process_group, stats)

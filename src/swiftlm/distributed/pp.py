@@ -1,216 +1,195 @@
-"""Pipeline parallel with `torch.distributed.pipelining`: each process holds a contiguous run
-of decoder blocks (the first also the embeddings, the last the final norm and LM head), and a
-1F1B schedule streams the step's micro-batches through the stages.
+"""Pipeline parallel with `torch.distributed.pipelining`: each rank of a pipeline holds one
+stage (pp_stage.py), and a 1F1B schedule streams the step's micro-batches through them.
 
-The schedule owns forward and backward, so this strategy also runs the step
-(`forward_backward`); the loop's token normalization still applies: each micro-batch's loss
-sum is divided by the label tokens of the whole step. Every step is padded to --max_length,
-because a pipeline stage exchanges fixed-shape activations. Full fine-tuning of plain decoder
-stacks (Llama/Qwen2/Mistral-style) with untied embeddings.
+On the mesh ("pp", "dp", "tp") a pipeline is one column of the "pp" dimension; with more
+ranks than stages, each data-parallel replica runs its own pipeline on its own slice of the
+data, and a stage's gradients are reduced over its replicas (the "dp" dimension) by DDP or
+FSDP2, which the schedule drives itself (`parallelize` wraps the stage like a whole model).
+
+The schedule owns forward and backward, so the loop hands it the whole step
+(`pipeline_step`); the last stage computes each micro-batch's loss with the method's
+`pipeline_loss` and scales it by the loop's normalization. Stages exchange fixed shapes:
+every step is padded to gradient_accumulation_steps micro-batches of
+per_device_train_batch_size rows of --max_length tokens. Plain decoder stacks
+(Llama/Qwen2/Mistral-style) with untied embeddings; full fine-tuning or LoRA.
 """
 
-import json
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.distributed.env import DistContext
-from swiftlm.errors import ConfigError
-from swiftlm.losses.causal_lm import count_label_tokens, token_cross_entropy_sum
-from swiftlm.train import checkpoint as ckpt
-
-
-class DecoderStage(nn.Module):
-    """Blocks [start, end) of a causal LM, plus the embeddings (first) or head (last)."""
-
-    def __init__(self, model, start: int, end: int, first: bool, last: bool):
-        super().__init__()
-        inner = model.model
-        self.embed_tokens = inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(inner.layers[start:end])
-        self.rotary_emb = inner.rotary_emb
-        self.norm = inner.norm if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        rotary = self.rotary_emb(hidden, positions)
-        # No attention mask: batches are right-padded, so causal attention never lets a real
-        # token see padding, and the padding itself carries no labels.
-        for layer in self.layers:
-            hidden = layer(hidden, position_ids=positions, position_embeddings=rotary)
-        if self.lm_head is None:
-            return hidden
-        return self.lm_head(self.norm(hidden))
+from swiftlm.checkpoint import stages
+from swiftlm.checkpoint.folders import save_pretrained_atomically
+from swiftlm.distributed import gradients
+from swiftlm.distributed.env import DistContext, collective_device
+from swiftlm.distributed.fsdp2 import reshard
+from swiftlm.distributed.mesh import ParallelDims
+from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize
+from swiftlm.distributed.pp_stage import build_stage, fixed_shape_batches
 
 
-def stage_bounds(num_layers: int, stages: int, index: int) -> tuple[int, int]:
-    """Blocks of stage `index`: as even as possible, earlier stages taking the extra ones."""
-    base, extra = divmod(num_layers, stages)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
+class StepLoss:
+    """The last stage's loss for one step. The schedule's target must be a tensor: it is the
+    micro-batch's index, and the batch itself is looked up here.
+
+    The unscaled sums are kept per micro-batch: on its first step the schedule also calls the
+    loss once on placeholder activations (shape inference), and the real call replaces that.
+    """
+
+    def __init__(self, method, batches: list[dict], scale: float):
+        self.method, self.batches, self.scale = method, batches, scale
+        self.loss_sums: dict[int, torch.Tensor] = {}
+
+    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        i = int(index[0])
+        loss_sum, _ = self.method.pipeline_loss(logits, self.batches[i])
+        self.loss_sums[i] = loss_sum.detach()
+        return loss_sum * self.scale
+
+    def total(self) -> float:
+        return float(sum(self.loss_sums.values()))
 
 
 class PipelineParallelStrategy:
-    def __init__(
-        self, ctx: DistContext, device: torch.device, size: int, max_length: int, accumulation: int
-    ):
-        if size != ctx.world_size:
-            raise ConfigError(
-                f"--pipeline_parallel_size {size} must equal the number of processes "
-                f"({ctx.world_size}); pipeline x data parallel is not available yet"
-            )
-        self.ctx, self.device, self.size, self.max_length = ctx, device, size, max_length
-        self.accumulation = accumulation  # the schedule's micro-batches per step
-        self.stage = self.schedule = None
-        self._scale = 1.0  # 1 / label tokens of the current step
-        self.full_model = None  # kept for its config and save_pretrained
-        self.names: dict[str, str] = {}  # stage parameter name -> name in the full model
+    pipeline_parallel = True
 
-    dp_rank = property(lambda self: 0)  # every stage reads the same batch
-    dp_size = property(lambda self: 1)
+    def __init__(
+        self,
+        ctx: DistContext,
+        device: torch.device,
+        dims: ParallelDims,
+        options: ParallelizeOptions,
+        shape: tuple[int, int, int],
+    ):
+        self.ctx, self.device, self.dims, self.options = ctx, device, dims, options
+        # (micro-batches per step, rows per micro-batch, tokens per row): fixed for all steps
+        self.micro_batches, self.rows, self.width = shape
+        self.pp_rank, self.dp_rank, _ = dims.coordinates(ctx.rank)
+        self.dp_size = dims.dp
+        self.mesh = self.schedule = self.model = self.full_model = None
+        self.names: dict[str, str] = {}  # stage parameter name -> name in the full model
+        self.step_loss: StepLoss | None = None
+
+    def __str__(self) -> str:
+        return str(self.dims)
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
 
     @property
     def is_last(self) -> bool:
-        return self.ctx.rank == self.size - 1
+        return self.pp_rank == self.dims.pp - 1
 
     def wrap(self, model):
-        if hasattr(model, "peft_config"):
-            raise ConfigError(
-                "--pipeline_parallel_size needs --train_type full (adapters are not supported "
-                "with pipeline parallel yet)"
-            )
-        if getattr(model.config, "tie_word_embeddings", False):
-            raise ConfigError(
-                "--pipeline_parallel_size: this model ties its input embeddings to its LM head, "
-                "which would sit on different stages; use fsdp2 or deepspeed for it"
-            )
-        layers = len(model.model.layers)
-        if layers < self.size:
-            raise ConfigError(f"--pipeline_parallel_size {self.size} exceeds the {layers} blocks")
-        start, end = stage_bounds(layers, self.size, self.ctx.rank)
-        first, last = self.ctx.rank == 0, self.is_last
-        self.full_model = model
-        stage = DecoderStage(model, start, end, first, last).to(self.device)
-        full_names = {id(p): n for n, p in model.named_parameters()}
-        self.names = {n: full_names[id(p)] for n, p in stage.named_parameters()}
-        self.stage = stage
-        return stage
+        """This rank's stage of `model`, parallelized over its data-parallel replicas."""
+        self.mesh = self.dims.build_mesh(self.device.type)
+        stage, self.names = build_stage(model, self.pp_rank, self.dims.pp)
+        self.full_model = model  # kept for its config and save_pretrained
+        return parallelize(stage.to(self.device), self.dims, self.mesh, self.device, self.options)
 
     def attach_optimizer(self, model, optimizer):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        pipe = PipelineStage(model, self.ctx.rank, self.size, self.device)
+        self.model = model
+        pipe = PipelineStage(model, self.pp_rank, self.dims.pp, self.device, group=self._pp_group())
         self.schedule = Schedule1F1B(
-            pipe, n_microbatches=self.accumulation, loss_fn=self._loss, scale_grads=False
+            pipe, n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False
         )
         return model, optimizer
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_cross_entropy_sum(logits, labels) * self._scale
+    def _pp_group(self):
+        return self.mesh["pp"].get_group()
 
-    def forward_backward(self, job, precision, batches: list[dict]) -> tuple[float, int, int]:
-        """Run the step's micro-batches through the 1F1B schedule; every rank returns the
-        step's mean token loss."""
-        batch = self._fixed_shape(batches, job.args.per_device_train_batch_size)
-        label_tokens = count_label_tokens(batch["labels"])
-        self._scale = 1.0 / max(label_tokens, 1)
-        losses: list[torch.Tensor] = []
-        with precision.autocast():
-            if self.ctx.rank == 0:
-                self.schedule.step(batch["input_ids"].to(self.device))
-            elif self.is_last:
-                self.schedule.step(target=batch["labels"].to(self.device), losses=losses)
-            else:
-                self.schedule.step()
-        local = float(sum(loss.detach() for loss in losses)) if self.is_last else 0.0
-        loss = self.ctx.all_reduce_sum(local)  # only the last stage has it
-        return loss, label_tokens, int(batch["attention_mask"].sum())
+    def _loss(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.step_loss(logits, index)
 
-    def _fixed_shape(self, batches: list[dict], rows_per_batch: int) -> dict:
-        """accumulation x rows_per_batch rows of --max_length tokens: the shape every stage
-        expects. Missing rows (a short last step) are padding without labels."""
-        rows = self.accumulation * rows_per_batch
-        fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
-        out = {}
-        for key, value in fill.items():
-            parts = [
-                F.pad(b[key], (0, self.max_length - b[key].shape[1]), value=value) for b in batches
-            ]
-            joined = torch.cat(parts)
-            missing = rows - joined.shape[0]
-            out[key] = F.pad(joined, (0, 0, 0, missing), value=value) if missing else joined
-        return out
+    def pipeline_step(self, method, batches: list[dict], scale: float, autocast) -> float:
+        """Run the step's micro-batches through the schedule (forward and backward); return the
+        step's unscaled loss sum, the same on every stage of this pipeline."""
+        fixed = fixed_shape_batches(
+            batches, method.token_pads, self.rows, self.width, self.micro_batches
+        )
+        fixed = [{k: v.to(self.device) for k, v in b.items()} for b in fixed]
+        self.step_loss = StepLoss(method, fixed, scale)
+        inputs = [torch.cat([b["input_ids"] for b in fixed])] if self.is_first else []
+        target = torch.arange(len(fixed), device=self.device) if self.is_last else None
+        with autocast(), self._ddp_disarmed():
+            self.schedule.step(*inputs, target=target, losses=[], return_outputs=False)
+        local = self.step_loss.total() if self.is_last else 0.0
+        total = torch.tensor(local, dtype=torch.float64, device=collective_device())
+        dist.all_reduce(total, group=self._pp_group())  # only the last stage has it
+        return float(total)
 
-    def unwrap(self, model):
-        return model
-
-    def no_sync(self, model, sync: bool):
+    def _ddp_disarmed(self):
+        """The schedule arms DDP's reducer itself for the step's last backward; DDP's own
+        forward must not (the schedule's first-step shape inference runs one outside its
+        no_sync, and the reducer would then count the earlier backwards too)."""
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
         return nullcontext()
 
-    def backward(self, loss, last_micro_batch: bool) -> None:
-        raise RuntimeError("pipeline parallel runs backward inside its schedule")
+    def unwrap(self, model):
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def clip_grad_norm(self, model, max_norm: float) -> float:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        local = float(sum(g.detach().double().pow(2).sum() for g in grads)) if grads else 0.0
-        total = self.ctx.all_reduce_sum(local) ** 0.5  # each stage holds different parameters
-        coef = max_norm / (total + 1e-6)
-        if coef < 1:
-            for grad in grads:
-                grad.mul_(coef)
-        return total
+    def no_sync(self, model, sync: bool):
+        return nullcontext()  # the schedule reduces the stage's gradients at its last backward
+
+    def backward(self, loss, last_micro_batch: bool) -> None:
+        raise RuntimeError("pipeline parallel runs backward inside its schedule (pipeline_step)")
 
     def clip_and_step(self, model, optimizer, max_norm: float, scaler) -> float:
-        from swiftlm.distributed.common import clip_then_step
+        params = model.parameters()
+        return gradients.clip_then_step(params, optimizer, max_norm, scaler, self._pp_group())
 
-        return clip_then_step(self, model, optimizer, max_norm, scaler)
+    def step_metrics(self) -> dict:
+        return {}
+
+    def _dp_group(self):
+        """Process group of a sharded stage's replicas (DCP writes over it); None if plain."""
+        return self.mesh["dp"].get_group() if self.dims.sharded else None
 
     def save_state(self, folder: Path, model, optimizer) -> None:
-        """Each stage writes its own weights and optimizer; rank 0 also the full model."""
-        stage_dir = folder / f"stage-{self.ctx.rank}"
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()},
-            str(stage_dir / "model.safetensors"),
-        )
-        tensors, meta = ckpt.optimizer_to_files(optimizer)
-        save_file(tensors, str(stage_dir / ckpt.OPTIMIZER_TENSORS))
-        (stage_dir / ckpt.OPTIMIZER_META).write_text(json.dumps(meta))
-        self._save_full(folder, tokenizer=None, model=model)
+        """Each stage writes its own state; rank 0 also the consolidated model or adapter."""
+        reshard(model)
+        stage = self.unwrap(model)
+        group, writes = self._dp_group(), self.dp_rank == 0
+        stages.save_stage_state(folder, self.pp_rank, stage, optimizer, writes, group)
+        full = self._gather_full_weights(model)
+        if self.ctx.is_main:
+            self.full_model.save_pretrained(folder, state_dict=full, safe_serialization=True)
 
     def load_state(self, folder: Path, model, optimizer) -> None:
-        stage_dir = folder / f"stage-{self.ctx.rank}"
-        if not stage_dir.is_dir():
-            raise ckpt.CheckpointError(
-                f"{folder} has no {stage_dir.name}/: resume a pipeline run with the same "
-                "--pipeline_parallel_size"
-            )
-        model.load_state_dict(load_file(str(stage_dir / "model.safetensors")))
-        meta = json.loads((stage_dir / ckpt.OPTIMIZER_META).read_text())
-        tensors = load_file(str(stage_dir / ckpt.OPTIMIZER_TENSORS))
-        optimizer.load_state_dict(ckpt.optimizer_from_files(tensors, meta))
+        reshard(model)
+        stage = self.unwrap(model)
+        stages.load_stage_state(
+            folder, self.pp_rank, self.dims.pp, stage, optimizer, self._dp_group()
+        )
 
     def save_final(self, model, tokenizer, folder: Path) -> None:
-        self._save_full(folder, tokenizer, model)
+        reshard(model)
+        full = self._gather_full_weights(model)
+        if self.ctx.is_main:
+            save_pretrained_atomically(self.full_model, tokenizer, folder, state_dict=full)
         self.ctx.barrier()
 
-    def _save_full(self, folder: Path, tokenizer, model) -> None:
-        """Gather every stage's weights on rank 0 and write one Hugging Face folder."""
-        mine = {self.names[n]: p.detach().cpu() for n, p in model.named_parameters()}
-        parts = [None] * self.size if self.ctx.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-        if self.ctx.rank != 0:
-            return
-        full = {name: tensor for part in parts for name, tensor in part.items()}
-        if tokenizer is None:
-            self.full_model.save_pretrained(folder, state_dict=full, safe_serialization=True)
-        else:
-            ckpt.save_pretrained_atomically(self.full_model, tokenizer, folder, state_dict=full)
+    def _gather_full_weights(self, model) -> dict | None:
+        """Every stage's weights (an adapter's trainable ones only), keyed by the full model's
+        names, on rank 0; None elsewhere. A collective: every rank takes part."""
+        from torch.distributed.tensor import DTensor
+
+        adapter = hasattr(self.full_model, "peft_config")
+        mine = {}
+        for name, param in self.unwrap(model).named_parameters():
+            if adapter and not param.requires_grad:
+                continue  # the frozen base comes from the base model
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            mine[self.names[name]] = full.detach().cpu()
+        parts = [None] * self.ctx.world_size if self.ctx.is_main else None
+        dist.gather_object(mine if self.dp_rank == 0 else {}, parts, dst=0)
+        if not self.ctx.is_main:
+            return None
+        return {name: tensor for part in parts for name, tensor in part.items()}

@@ -1,10 +1,16 @@
 """The one interface the training loop uses to run on one process or many.
 
-A strategy wraps the model (DDP, FSDP2 ...), says where its data-parallel slice is, clips the
-gradient, and saves/loads weights + optimizer inside a checkpoint folder. The loop never
-branches on the strategy's name.
+A strategy applies the parallelisms to the model, says which data-parallel slice this rank
+reads, runs backward, clips and steps, and saves/loads weights + optimizer inside a checkpoint
+folder. The loop branches on one fact only, `pipeline_parallel`: a pipeline schedule owns
+forward and backward of the whole step. Three implementations:
+
+- SPMDStrategy (spmd.py): one process, DDP, FSDP2, tensor parallel and TP x FSDP2;
+- PipelineParallelStrategy (pp.py): pipeline stages, alone or x DDP / FSDP2;
+- DeepSpeedStrategy (zero.py): the wrapper exception (its engine owns model and optimizer).
 """
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -14,64 +20,86 @@ import torch
 
 from swiftlm.config.sections import DistArguments, TrainArguments
 from swiftlm.distributed.env import DistContext
-from swiftlm.errors import ConfigError
+from swiftlm.distributed.mesh import ParallelDims
+from swiftlm.distributed.parallelize import ParallelizeOptions
 
 
 class Strategy(Protocol):
     ctx: DistContext
+    dp_rank: int  # this rank's data-parallel slice (its index on the mesh's "dp" dimension)
+    dp_size: int  # number of data-parallel slices
+    pipeline_parallel: bool  # True: the loop calls pipeline_step instead of its own micro-batches
 
-    @property
-    def dp_rank(self) -> int: ...  # this process's data-parallel slice
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Apply the parallelisms in order (TP, activation checkpointing, compile, FSDP2/DDP;
+        a pipeline stage first); return the model to train."""
+        ...
 
-    @property
-    def dp_size(self) -> int: ...  # number of data-parallel slices
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def attach_optimizer(self, model: torch.nn.Module, optimizer) -> tuple:
+        """(model, optimizer) to train with; engines that need the optimizer start here."""
+        ...
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
-    def no_sync(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager: ...
-
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float: ...
+    def no_sync(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
+        """Reduce gradients over data-parallel ranks only when `sync` (the last micro-batch)."""
+        ...
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None: ...
 
     def clip_and_step(self, model: torch.nn.Module, optimizer, max_norm: float, scaler) -> float:
-        """Clip to max_norm and update; return the pre-clip gradient norm (nan: skipped)."""
+        """Clip to max_norm and update; return the pre-clip global norm (not finite: skipped)."""
         ...
 
-    # A Future when the data is still being written in the background (COMPLETE waits on it).
-    def save_state(self, folder: Path, model: torch.nn.Module, optimizer) -> Future | None: ...
+    def step_metrics(self) -> dict:
+        """Figures for the step's log line since the last call (DDP's bytes sent); may be {}."""
+        ...
+
+    def pipeline_step(
+        self,
+        method,
+        batches: list[dict],
+        scale: float,
+        autocast: Callable[[], AbstractContextManager],
+    ) -> float:
+        """Pipeline parallel only: run the step's micro-batches through the schedule. The last
+        stage computes `method.pipeline_loss(logits, batch)` per micro-batch and backpropagates
+        loss_sum * scale. Returns the step's unscaled loss sum of this data-parallel replica,
+        the same on every stage of its pipeline."""
+        ...
+
+    def save_state(self, folder: Path, model: torch.nn.Module, optimizer) -> Future | None:
+        """Write weights + optimizer into `folder` (every rank calls it). A Future when the
+        data is still being written in the background (COMPLETE waits on it)."""
+        ...
 
     def load_state(self, folder: Path, model: torch.nn.Module, optimizer) -> None: ...
 
-    def save_final(self, model: torch.nn.Module, tokenizer, folder: Path) -> None: ...
+    def save_final(self, model: torch.nn.Module, tokenizer, folder: Path) -> None:
+        """Write the loadable model or adapter + tokenizer to `folder` (every rank calls it)."""
+        ...
 
 
-def choose_strategy_name(args: DistArguments, world_size: int) -> str:
-    if args.pipeline_parallel_size > 1:
-        if args.deepspeed or args.fsdp or args.tensor_parallel_size > 1:
-            raise ConfigError("--pipeline_parallel_size cannot be combined with other engines yet")
-        return "pp" if world_size > 1 else "single"
-    if args.tensor_parallel_size > 1 or args.strategy == "tp":
-        if args.deepspeed is not None or args.fsdp is not None:
-            raise ConfigError("--tensor_parallel_size conflicts with --deepspeed / --fsdp")
-        return "tp" if world_size > 1 else "single"
-    if args.deepspeed is not None:
-        if args.fsdp is not None or args.strategy not in ("auto", "deepspeed"):
-            raise ConfigError("--deepspeed conflicts with --fsdp / --strategy; pick one engine")
-        return "deepspeed"
-    if args.fsdp is not None:
-        if args.fsdp not in ("fsdp2", "full_shard", "shard"):
-            raise ConfigError(f"--fsdp {args.fsdp}: use fsdp2 (FSDP2, fully_shard per layer)")
-        if args.strategy not in ("auto", "fsdp2"):
-            raise ConfigError(f"--fsdp conflicts with --strategy {args.strategy}")
-        return "fsdp2" if world_size > 1 else "single"  # one process has nothing to shard
-    if args.strategy != "auto":
-        if args.strategy != "single" and world_size == 1:
-            return "single"  # a world of one has nothing to distribute
-        return args.strategy
-    return "single" if world_size == 1 else "ddp"
+def plan_parallelism(args: DistArguments, world_size: int) -> ParallelDims:
+    """The mesh the flags ask for. The flags' combinations are checked beforehand, once, by
+    `config.rules.check` (which the training command runs first)."""
+    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    if args.deepspeed is not None:  # its engine also runs a world of one
+        return ParallelDims(dp=world_size, data_parallel="deepspeed")
+    if world_size == 1:
+        return ParallelDims()  # a world of one has nothing to distribute
+    pp = world_size if args.strategy == "pp" and pp == 1 else pp
+    tp = world_size if args.strategy == "tp" and tp == 1 else tp
+    dp = world_size // (pp * tp)
+    return ParallelDims(pp=pp, dp=dp, tp=tp, data_parallel=_data_parallel(args, tp, dp))
+
+
+def _data_parallel(args: DistArguments, tp: int, dp: int) -> str:
+    """DDP or FSDP2 for the data-parallel dimension: FSDP2 when asked for, and for the
+    data-parallel groups of tensor parallel (DDP cannot replicate DTensor weights)."""
+    if args.fsdp is not None or args.strategy == "fsdp2" or (tp > 1 and dp > 1):
+        return "fsdp2"
+    return "ddp"
 
 
 def build_strategy(
@@ -82,40 +110,23 @@ def build_strategy(
     train: TrainArguments | None = None,
     max_length: int = 2048,
 ) -> Strategy:
-    name = choose_strategy_name(args, ctx.world_size)
-    if args.grad_compression != "none" and name not in ("ddp", "single"):
-        raise ConfigError(
-            f"--grad_compression {args.grad_compression} compresses DDP's all-reduce; "
-            f"--strategy {name} does not use it: drop the flag or use DDP"
-        )
-    if name == "single" and ctx.world_size > 1:
-        raise ConfigError("--strategy single cannot run with several processes; use ddp or fsdp2")
-    if name == "single":
-        from swiftlm.distributed.single import SingleStrategy
-
-        return SingleStrategy(ctx)
-    if name == "ddp":
-        from swiftlm.distributed.ddp import DDPStrategy
-
-        return DDPStrategy(ctx, device, args)
-    if name == "deepspeed":
+    train = train or TrainArguments()
+    dims = plan_parallelism(args, ctx.world_size)
+    options = ParallelizeOptions(
+        activation_checkpointing=train.gradient_checkpointing,
+        compile=train.torch_compile,
+        compute_dtype=compute_dtype,
+        fsdp_offload=args.fsdp_offload,
+    )
+    if dims.data_parallel == "deepspeed":
         from swiftlm.distributed.zero import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(
-            ctx, device, args.deepspeed, train or TrainArguments(), compute_dtype
-        )
-    if name == "pp":
+        return DeepSpeedStrategy(ctx, device, args.deepspeed, train, compute_dtype, options)
+    if dims.pp > 1:
         from swiftlm.distributed.pp import PipelineParallelStrategy
 
-        train = train or TrainArguments()
-        return PipelineParallelStrategy(
-            ctx, device, args.pipeline_parallel_size, max_length, train.gradient_accumulation_steps
-        )
-    if name == "tp":
-        from swiftlm.distributed.tp import TensorParallelStrategy
+        shape = (train.gradient_accumulation_steps, train.per_device_train_batch_size, max_length)
+        return PipelineParallelStrategy(ctx, device, dims, options, shape)
+    from swiftlm.distributed.spmd import SPMDStrategy
 
-        size = args.tensor_parallel_size if args.tensor_parallel_size > 1 else ctx.world_size
-        return TensorParallelStrategy(ctx, device, size, compute_dtype)
-    from swiftlm.distributed.fsdp2 import FSDP2Strategy
-
-    return FSDP2Strategy(ctx, device, args, compute_dtype)
+    return SPMDStrategy(ctx, device, dims, options, args)

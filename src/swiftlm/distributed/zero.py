@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
+from swiftlm.checkpoint.deepspeed import load_engine_state, save_engine_state
+from swiftlm.checkpoint.folders import save_pretrained_atomically
 from swiftlm.config.sections import TrainArguments
 from swiftlm.distributed.env import DistContext
+from swiftlm.distributed.mesh import ParallelDims
+from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize
 from swiftlm.errors import ConfigError
-from swiftlm.train import checkpoint as ckpt
 
 BUILTIN_CONFIGS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
-ENGINE_STATE_DIR = "deepspeed"
-ENGINE_TAG = "state"
 
 
 def load_deepspeed_config(spec: str) -> dict:
@@ -59,6 +60,12 @@ def fill_auto(config: dict, train: TrainArguments, compute_dtype: torch.dtype) -
 
 
 class DeepSpeedStrategy:
+    """The wrapper exception: DeepSpeed's engine owns the model and the optimizer, so `wrap`
+    applies only what the engine does not (activation checkpointing, compile) and
+    `attach_optimizer` builds the engine."""
+
+    pipeline_parallel = False
+
     def __init__(
         self,
         ctx: DistContext,
@@ -66,6 +73,7 @@ class DeepSpeedStrategy:
         spec: str,
         train: TrainArguments,
         compute_dtype: torch.dtype,
+        options: ParallelizeOptions | None = None,
     ):
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
         try:
@@ -75,19 +83,19 @@ class DeepSpeedStrategy:
                 "--deepspeed needs DeepSpeed: pip install 'swiftlm[deepspeed]'"
             ) from None
         self.ctx, self.device, self.spec = ctx, device, spec
-        if train.nonfinite_loss == "skip":
-            raise ConfigError(
-                "--nonfinite_loss skip is not available with --deepspeed: its engine steps on "
-                "its own schedule (its fp16 loss scaler skips overflowing steps itself)"
-            )
+        self.options = options or ParallelizeOptions()
         self.config = fill_auto(load_deepspeed_config(spec), train, compute_dtype)
         self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
         self.engine = None
+        self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
 
-    dp_rank = property(lambda self: self.ctx.rank)
-    dp_size = property(lambda self: self.ctx.world_size)
+    def __str__(self) -> str:
+        return f"DeepSpeed {self.spec} over {self.ctx.world_size} ranks"
 
     def wrap(self, model):
+        # The engine shards by itself: of the parallelize sequence, only activation
+        # checkpointing and compile apply (dims of one rank).
+        parallelize(model, ParallelDims(), None, self.device, self.options)
         return model  # the engine needs the optimizer: see attach_optimizer
 
     def attach_optimizer(self, model, optimizer):
@@ -106,36 +114,28 @@ class DeepSpeedStrategy:
         return nullcontext()  # the engine knows the accumulation boundary itself
 
     def backward(self, loss, last_micro_batch: bool) -> None:
-        # The loop already divides by the step's label tokens; no extra 1/accumulation.
+        # The loop already divides by the step's normalizer; no extra 1/accumulation.
         self.engine.backward(loss, scale_wrt_gas=False)
         if not last_micro_batch:
             self.engine.step()  # advances the engine's micro-step counter; no update yet
-
-    def clip_grad_norm(self, model, max_norm: float) -> float:
-        return float(self.engine.get_global_grad_norm() or 0.0)
 
     def clip_and_step(self, model, optimizer, max_norm: float, scaler) -> float:
         self.engine.step()  # clips (gradient_clipping) and updates at the boundary
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def step_metrics(self) -> dict:
+        return {}
+
+    def pipeline_step(self, method, batches, scale, autocast) -> float:
+        raise RuntimeError("DeepSpeed runs the loop's micro-batches; it has no pipeline schedule")
+
     def save_state(self, folder: Path, model, optimizer) -> None:
-        self.engine.save_checkpoint(str(folder / ENGINE_STATE_DIR), tag=ENGINE_TAG)
+        save_engine_state(folder, self.engine)
         self._save_pretrained(folder, tokenizer=None)
 
     def load_state(self, folder: Path, model, optimizer) -> None:
-        state_dir = folder / ENGINE_STATE_DIR
-        if not state_dir.is_dir():
-            raise ckpt.CheckpointError(
-                f"{folder} was not written by DeepSpeed (no {ENGINE_STATE_DIR}/); resume it with "
-                "the strategy that saved it"
-            )
-        self.engine.load_checkpoint(
-            str(state_dir),
-            tag=ENGINE_TAG,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=False,
-        )
+        load_engine_state(folder, self.engine)
 
     def save_final(self, model, tokenizer, folder: Path) -> None:
         self._save_pretrained(folder, tokenizer)
@@ -153,4 +153,4 @@ class DeepSpeedStrategy:
         if tokenizer is None:  # inside a checkpoint folder, whose COMPLETE marker comes last
             module.save_pretrained(folder, state_dict=state, safe_serialization=True)
         else:
-            ckpt.save_pretrained_atomically(module, tokenizer, folder, state_dict=state)
+            save_pretrained_atomically(module, tokenizer, folder, state_dict=state)

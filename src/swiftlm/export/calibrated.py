@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from swiftlm.config import ExportConfig
+from swiftlm.config.rules import CALIBRATED_BITS, GROUP_SIZES, MIN_CALIBRATION_TOKENS
 from swiftlm.errors import ConfigError
 from swiftlm.export.checks import (
     check_folder_read_back,
@@ -37,46 +38,22 @@ from swiftlm.models.loader import load_tokenizer, pick_device
 # gptqmodel), and the self-check loads the folder through transformers.
 REQUIRED_PACKAGES = {"gptq": ("gptqmodel", "optimum"), "awq": ("gptqmodel",)}
 INSTALL_HINT = "pip install 'swiftlm[gptq]'"
-ALLOWED_BITS = {"gptq": (4, 8), "awq": (4,)}
-# AWQ's packed GEMM kernels take these group sizes only; GPTQ also takes -1 (one scale per
-# output channel) and any other positive size.
-AWQ_GROUP_SIZES = (32, 64, 128)
 # Used when no --dataset is given: the conversations `swiftlm sft` trains on by default.
 BUILTIN_CALIBRATION_DATASETS = ["swiftlm/self-cognition", "swiftlm/general-qa"]
-# Shorter samples carry too few activations to matter (gptqmodel drops those under 10 too).
-MIN_SAMPLE_TOKENS = 10
 # What to try when the folder read back loses more perplexity than MAX_PPL_INCREASE allows.
 PPL_FIX = "try more --quant_n_samples, a smaller --group_size, or --quant_bits 8"
 
 
 def validate_calibrated(cfg: ExportConfig) -> None:
-    """Fail fast, before any model loads, on what --quant_method gptq|awq cannot do."""
-    q = cfg.quant
-    method = q.quant_method
+    """Fail fast, before any model loads, when a package --quant_method gptq|awq needs is
+    missing. The flags themselves have passed `rules.check` (bits, AWQ's group sizes and
+    --max_length) and their sections (--group_size, --quant_n_samples)."""
+    method = cfg.quant.quant_method
     missing = [name for name in REQUIRED_PACKAGES[method] if not _installed(name)]
     if missing:
         raise ConfigError(
             f"--quant_method {method} needs {' and '.join(missing)}, which could not be found; "
             f"install them with `{INSTALL_HINT}`"
-        )
-    bits = quant_bits(cfg)
-    if bits not in ALLOWED_BITS[method]:
-        allowed = " or ".join(str(b) for b in ALLOWED_BITS[method])
-        raise ConfigError(f"--quant_method {method} takes --quant_bits {allowed}, not {bits}")
-    if method == "awq" and q.group_size not in AWQ_GROUP_SIZES:
-        raise ConfigError(
-            f"--quant_method awq takes --group_size 32, 64 or 128, not {q.group_size}"
-        )
-    if method == "gptq" and not (q.group_size == -1 or q.group_size > 0):
-        raise ConfigError(
-            f"--group_size {q.group_size}: pass a positive size (e.g. 128) or -1 (per channel)"
-        )
-    if q.quant_n_samples < 1:
-        raise ConfigError("--quant_n_samples must be at least 1")
-    if cfg.data.max_length < MIN_SAMPLE_TOKENS:
-        raise ConfigError(
-            f"--max_length {cfg.data.max_length}: calibration samples need at least "
-            f"{MIN_SAMPLE_TOKENS} tokens"
         )
 
 
@@ -86,8 +63,9 @@ def _installed(name: str) -> bool:
 
 
 def quant_bits(cfg: ExportConfig) -> int:
-    """--quant_bits, defaulting to 4 (the only width AWQ has)."""
-    return cfg.quant.quant_bits if cfg.quant.quant_bits is not None else 4
+    """--quant_bits, defaulting to the method's first width in CALIBRATED_BITS (4)."""
+    q = cfg.quant
+    return q.quant_bits if q.quant_bits is not None else CALIBRATED_BITS[q.quant_method][0]
 
 
 def export_calibrated(source: ExportSource, out: Path, cfg: ExportConfig) -> dict:
@@ -140,7 +118,7 @@ def check_group_size(model_path: str, method: str, group_size: int) -> None:
     widths = quantized_input_widths(model_path)
     if all(w % group_size == 0 for w in widths):
         return
-    fitting = [g for g in AWQ_GROUP_SIZES[::-1] if all(w % g == 0 for w in widths)]
+    fitting = [g for g in GROUP_SIZES[::-1] if all(w % g == 0 for w in widths)]
     if fitting:
         fix = f"--group_size {fitting[0]}"
     elif method == "gptq":
@@ -183,11 +161,11 @@ def calibration_samples(cfg: ExportConfig, tokenizer) -> tuple[list[dict], str]:
     calibration = [
         {"input_ids": item["input_ids"], "attention_mask": [1] * len(item["input_ids"])}
         for item in encoded
-        if len(item["input_ids"]) >= MIN_SAMPLE_TOKENS
+        if len(item["input_ids"]) >= MIN_CALIBRATION_TOKENS
     ]
     where = ", ".join(specs) + ("" if d.dataset else " (built-in; pass --dataset for your own)")
     if not calibration:
-        raise ConfigError(f"no calibration sample of {MIN_SAMPLE_TOKENS}+ tokens in {where}")
+        raise ConfigError(f"no calibration sample of {MIN_CALIBRATION_TOKENS}+ tokens in {where}")
     return calibration, where
 
 

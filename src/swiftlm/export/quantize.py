@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from swiftlm.config import ExportConfig
+from swiftlm.config.rules import CALIBRATED_BITS, GROUP_SIZES, TORCHAO_BITS
 from swiftlm.config.sections import QuantArguments
 from swiftlm.errors import ConfigError, ExportCheckError
 from swiftlm.export.checks import (
@@ -56,11 +57,6 @@ from swiftlm.models.quant import (
     silence_quantization_noise,
 )
 
-CALIBRATED = ("gptq", "awq")
-# The bits each torchao method stores; --quant_bits may repeat it, not contradict it.
-TORCHAO_BITS = {"int8": 8, "int4": 4}
-# Group sizes that torchao's int4 kernels (tinygemm) take.
-INT4_GROUP_SIZES = (32, 64, 128)
 # What to try when the folder read back loses more perplexity than MAX_PPL_INCREASE allows.
 PPL_FIX = "try --quant_bits 8, or a smaller --group_size for int4"
 
@@ -81,18 +77,13 @@ class QuantPlan:
 
 
 def validate(cfg: ExportConfig) -> None:
-    """Fail fast, before anything loads, on flags that contradict each other."""
+    """Fail fast, before anything loads, on what the device and the installed packages cannot
+    do. The flags themselves have passed `rules.check` (bits, group size and bnb flags that
+    fit --quant_method)."""
     q = cfg.quant
-    if q.quant_method in CALIBRATED:
+    if q.quant_method in CALIBRATED_BITS:
         _calibrated().validate_calibrated(cfg)
         return
-    quant_bits(q)
-    _reject_flags_of_other_methods(q)
-    if q.quant_method == "int4" and q.group_size not in INT4_GROUP_SIZES:
-        raise ConfigError(
-            f"--group_size {q.group_size} with --quant_method int4: torchao's int4 kernels "
-            "take --group_size 32, 64 or 128"
-        )
     device = pick_device(cfg.model.device)
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(
@@ -112,43 +103,11 @@ def validate(cfg: ExportConfig) -> None:
 
 
 def quant_bits(q: QuantArguments) -> int:
-    """The bits of --quant_method; ConfigError when --quant_bits contradicts it."""
+    """The bits of --quant_method bnb|int8|int4 (the rules `bnb_bits` and `torchao_bits` have
+    made sure that --quant_bits, when given, agrees)."""
     if q.quant_method == "bnb":
         return bnb_bits(q)
-    implied = TORCHAO_BITS[q.quant_method]
-    if q.quant_bits not in (None, implied):
-        matching = {8: "int8", 4: "int4"}.get(q.quant_bits)
-        fix = "drop --quant_bits"
-        if matching:
-            fix += f", or use --quant_method {matching}"
-        raise ConfigError(
-            f"--quant_bits {q.quant_bits} contradicts --quant_method {q.quant_method}, which "
-            f"stores {implied}-bit weights; {fix}"
-        )
-    return implied
-
-
-def _reject_flags_of_other_methods(q: QuantArguments) -> None:
-    """A flag the chosen method ignores is a mistake worth naming, not silently dropping."""
-    defaults = QuantArguments()
-    bnb_4bit_flags = [
-        f"--{name} {getattr(q, name)}"
-        for name in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
-        if getattr(q, name) != getattr(defaults, name)
-    ]
-    method = f"--quant_method {q.quant_method}"
-    if bnb_4bit_flags and not (q.quant_method == "bnb" and quant_bits(q) == 4):
-        raise ConfigError(
-            f"{' '.join(bnb_4bit_flags)} applies to --quant_method bnb --quant_bits 4 only, "
-            f"not to {method}{'' if q.quant_bits is None else f' --quant_bits {q.quant_bits}'}; "
-            "drop it"
-        )
-    if q.group_size != defaults.group_size and q.quant_method != "int4":
-        raise ConfigError(
-            f"--group_size {q.group_size} applies to --quant_method int4, gptq and awq, not to "
-            f"{method} (whose scales are per block of 64 weights for bnb 4-bit, per row for "
-            "8-bit); drop it"
-        )
+    return TORCHAO_BITS[q.quant_method]
 
 
 def _calibrated():
@@ -174,16 +133,16 @@ def plan_export(cfg: ExportConfig, model_path: str) -> QuantPlan:
 
 
 def int4_group_size(model_path: str, requested: int) -> int:
-    """--group_size, or the largest of INT4_GROUP_SIZES below it that divides the input width
+    """--group_size, or the largest of GROUP_SIZES below it that divides the input width
     of every layer to quantize (torchao refuses partial groups): SmolLM2-135M's 576-wide
     layers take 64, not the default 128. Read from the empty (meta) model, before any
     weight loads."""
     widths = quantized_input_widths(model_path)
-    fitting = [g for g in INT4_GROUP_SIZES if g <= requested and all(w % g == 0 for w in widths)]
+    fitting = [g for g in GROUP_SIZES if g <= requested and all(w % g == 0 for w in widths)]
     if not fitting:
         raise ConfigError(
             f"--quant_method int4 --group_size {requested}: no group size of "
-            f"{', '.join(map(str, INT4_GROUP_SIZES))} up to it divides this model's layer "
+            f"{', '.join(map(str, GROUP_SIZES))} up to it divides this model's layer "
             f"input widths ({', '.join(map(str, sorted(widths)))}); use --quant_method int8 "
             "or --quant_method bnb"
         )
@@ -221,7 +180,7 @@ def transformers_quantization(plan: QuantPlan, q: QuantArguments):
 def export(source: ExportSource, out: Path, cfg: ExportConfig) -> dict:
     """Quantize `source` into `out`, check the folder read back, and return a report; raise
     ExportCheckError when the check fails."""
-    if cfg.quant.quant_method in CALIBRATED:
+    if cfg.quant.quant_method in CALIBRATED_BITS:
         return _calibrated().export_calibrated(source, out, cfg)
     silence_quantization_noise()
     plan = plan_export(cfg, source.model_path)  # reads the config only: fails fast

@@ -15,40 +15,18 @@ import importlib
 from pathlib import Path
 
 from swiftlm.config import ExportConfig
+from swiftlm.config.rules import check, export_formats
 from swiftlm.errors import ConfigError
 
 
 def chosen_format(cfg: ExportConfig) -> str:
-    """The one output format the flags ask for."""
-    e = cfg.export
-    formats = [
-        name
-        for name, on in (
-            ("gguf", e.to_gguf or e.to_ollama),
-            ("quantized", cfg.quant.quant_method is not None),
-            ("onnx", e.to_onnx),
-        )
-        if on
-    ]
-    if len(formats) > 1:
-        flags = {"gguf": "--to_gguf", "quantized": "--quant_method", "onnx": "--to_onnx"}
-        raise ConfigError(
-            f"{' and '.join(flags[f] for f in formats)} both given: export one format per "
-            "command, each to its own --output_dir"
-        )
-    if formats:
-        return formats[0]
-    if e.merge_lora:
-        return "merged"
-    raise ConfigError(
-        "nothing to export: pass --merge_lora, --to_gguf (--to_ollama), --quant_method "
-        "bnb|int8|int4|gptq|awq, or --to_onnx"
-    )
+    """The one output format the flags ask for (`rules.check` has made sure there is one)."""
+    formats = export_formats(cfg)
+    return formats[0] if formats else "merged"
 
 
 def output_folder(cfg: ExportConfig) -> Path:
-    if not cfg.export.output_dir:
-        raise ConfigError("--output_dir is required: the folder to write the exported model to")
+    """--output_dir, which must be new or empty (that it is given is a rule)."""
     out = Path(cfg.export.output_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--output_dir {out} is not empty; choose a new folder")
@@ -68,8 +46,9 @@ def _export_merged(cfg: ExportConfig, out: Path) -> dict:
     return merge_lora(spec, out, cfg.export.max_shard_size)
 
 
-# Each format's module has validate(cfg), run before anything loads, and
-# export(source, out, cfg) -> report, which writes `out` and checks what it wrote.
+# Each format's module has validate(cfg), run after the flag rules and before anything loads
+# (what the device and the installed packages allow), and export(source, out, cfg) -> report,
+# which writes `out` and checks what it wrote.
 FORMAT_MODULES = {
     "gguf": "swiftlm.export.gguf",
     "quantized": "swiftlm.export.quantize",
@@ -78,6 +57,7 @@ FORMAT_MODULES = {
 
 
 def run(cfg: ExportConfig) -> dict:
+    check(cfg)  # every rule between flags, before anything loads
     fmt = chosen_format(cfg)
     out = output_folder(cfg)
     if fmt == "merged":

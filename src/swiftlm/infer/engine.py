@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from swiftlm.config import GenerationArguments, ModelArguments
-from swiftlm.errors import ConfigError, ModelLoadError
+from swiftlm.errors import ModelLoadError
 from swiftlm.infer.resolve import InferenceModel
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
 from swiftlm.models.templates import end_of_turn_token
@@ -134,7 +134,6 @@ class TransformersEngine:
         return {key: value.to(self.device) for key, value in batch.items()}
 
     def _generation_kwargs(self, gen: GenerationArguments) -> dict:
-        check_generation_args(gen)
         kwargs = {
             "max_new_tokens": gen.max_new_tokens,
             "repetition_penalty": gen.repetition_penalty,
@@ -176,20 +175,3 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     model_eos = getattr(model.generation_config, "eos_token_id", None)
     ids += model_eos if isinstance(model_eos, list) else [model_eos]
     return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})
-
-
-def check_generation_args(gen: GenerationArguments) -> None:
-    """Reject sampling settings that transformers would fail on deep inside generate."""
-    problems = []
-    if gen.max_new_tokens < 1:
-        problems.append(f"--max_new_tokens {gen.max_new_tokens} must be at least 1")
-    if gen.temperature < 0:
-        problems.append(f"--temperature {gen.temperature} must be 0 (greedy) or more")
-    if not 0 < gen.top_p <= 1:
-        problems.append(f"--top_p {gen.top_p} must be in (0, 1]")
-    if gen.top_k < 0:
-        problems.append(f"--top_k {gen.top_k} must be 0 (off) or more")
-    if gen.repetition_penalty <= 0:
-        problems.append(f"--repetition_penalty {gen.repetition_penalty} must be above 0")
-    if problems:
-        raise ConfigError("; ".join(problems))

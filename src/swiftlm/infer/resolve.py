@@ -17,10 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from swiftlm.checkpoint import is_complete, list_checkpoints
 from swiftlm.config import InferConfig, TrainConfig, load_saved_config
 from swiftlm.errors import CheckpointError, ConfigError, ModelLoadError, SwiftLMError
 from swiftlm.models.loader import resolve_model
-from swiftlm.train.checkpoint import is_complete, list_checkpoints
 
 RUN_CONFIG = "config.yaml"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -56,13 +56,9 @@ class _Checkpoint:
 
 
 def resolve_inference_model(cfg: InferConfig) -> InferenceModel:
-    """Resolve the model flags of `cfg` into an `InferenceModel`; raise a clear error if bad."""
+    """Resolve the model flags of `cfg` into an `InferenceModel`; raise a clear error if bad.
+    The flags have passed `rules.check` (--ckpt_dir and --adapters are not both given)."""
     _reject_run_dir_as_model(cfg.model.model)
-    if cfg.infer.ckpt_dir and cfg.infer.adapters:
-        raise ConfigError(
-            "--ckpt_dir and --adapters both given: pass the checkpoint as --ckpt_dir, or the "
-            "adapter folders as --adapters (with --model for their base model), not both"
-        )
     if cfg.infer.ckpt_dir:
         checkpoints = [_locate_checkpoint(cfg.infer.ckpt_dir, "--ckpt_dir")]
     else:

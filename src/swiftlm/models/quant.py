@@ -18,7 +18,6 @@ from swiftlm.config.sections import QuantArguments
 from swiftlm.errors import ConfigError
 
 INSTALL_HINT = "pip install 'swiftlm[quant]'"
-BNB_BITS = (4, 8)
 
 # Log records that bitsandbytes, torchao and torch emit about things a user can do nothing
 # about; each logger keeps every other record.
@@ -83,14 +82,9 @@ def import_torchao(flag: str):
 
 
 def bnb_bits(quant: QuantArguments) -> int:
-    """--quant_bits for bitsandbytes: 4 (QLoRA's NF4) when unset; ConfigError unless 4 or 8."""
-    bits = 4 if quant.quant_bits is None else quant.quant_bits
-    if bits not in BNB_BITS:
-        raise ConfigError(
-            f"--quant_bits {quant.quant_bits} with --quant_method bnb: bitsandbytes stores "
-            "weights in 4 bits (NF4/FP4, QLoRA) or 8 bits (LLM.int8); pass --quant_bits 4 or 8"
-        )
-    return bits
+    """--quant_bits for bitsandbytes: 4 (QLoRA's NF4) when unset. That it is 4 or 8 is the
+    rule `bnb_bits` (`config/rules.py`), which training and export check first."""
+    return 4 if quant.quant_bits is None else quant.quant_bits
 
 
 def describe_bnb(quant: QuantArguments) -> str:

@@ -51,7 +51,9 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
     def encode() -> tuple[dict, list[str]]:
         lines: list[str] = []
         splits = {}
-        for name, samples in zip(("train", "val"), load_splits(cfg, method, lines.append)):
+        for name, samples in zip(
+            ("train", "val"), load_splits(cfg, method, lines.append), strict=True
+        ):
             result = method.encode(samples) if samples else None
             splits[name] = result.samples if result else []
             lines += result.log if result else []
@@ -75,7 +77,8 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
 def prepare_model(
     cfg: TrainConfig, model_path: str, device: torch.device, compute_dtype: torch.dtype
 ):
-    """Load the model and make the tuner's parameters trainable."""
+    """Load the model and make the tuner's parameters trainable. Activation checkpointing and
+    compilation are parallelisms, applied in order by the strategy's `wrap`."""
     # Frozen base weights can live in the compute dtype; weights that train stay float32
     # (peft keeps adapters in float32) so small updates are not lost to rounding.
     full = cfg.tuner.train_type == "full"
@@ -91,33 +94,8 @@ def prepare_model(
     if quantization is not None:
         model = prepare_for_quantized_training(model)
     model.config.use_cache = False
-    if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = apply_tuner(model, cfg.tuner)
-    if cfg.train.torch_compile:
-        compile_decoder_layers(model)
     return model
-
-
-def compile_decoder_layers(model) -> int:
-    """torch.compile each decoder layer in place: parameter names and state dicts stay as
-    they are (checkpoints, adapters and FSDP wrapping see the usual modules), and the one
-    compiled graph is reused by every layer of the same shape."""
-    import shutil
-
-    from swiftlm.errors import ConfigError
-
-    if not torch.cuda.is_available() and not (shutil.which("g++") or shutil.which("c++")):
-        raise ConfigError(
-            "--torch_compile on CPU needs a C++ compiler (g++) for torch.compile's inductor; "
-            "install one (e.g. apt install g++) or drop --torch_compile"
-        )
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ConfigError("--torch_compile: this model has no decoder `layers` to compile")
-    for layer in layers:
-        layer.compile(dynamic=True)
-    return len(layers)
 
 
 def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int):

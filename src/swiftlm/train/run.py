@@ -12,6 +12,7 @@ from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.data.cache import sample_lengths
 from swiftlm.distributed.env import init_distributed, shutdown_distributed
 from swiftlm.distributed.heartbeat import Heartbeat
+from swiftlm.distributed.parallelize import apply_activation_checkpointing
 from swiftlm.distributed.strategy import build_strategy
 from swiftlm.models.loader import load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
@@ -45,7 +46,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     run_dir = Path(cfg.output.output_dir)
     strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train, cfg.data.max_length)
     log(
-        f"model {resolved.requested} on {device} x {ctx.world_size} ({type(strategy).__name__}, "
+        f"model {resolved.requested} on {device} x {ctx.world_size} ({strategy}, "
         f"{str(compute_dtype).replace('torch.', '')} compute)"
     )
     tokenizer = load_tokenizer(resolved.path)
@@ -63,6 +64,8 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
         log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
     method.prepare_model(model, log)
     if cfg.train.per_device_train_batch_size == AUTO_BATCH_SIZE:  # needs the model
+        if cfg.train.gradient_checkpointing:  # measure as it will train (wrap applies it too)
+            apply_activation_checkpointing(model)
         placement = (device, compute_dtype)
         cfg = resolve_auto_batch(cfg, model, method.loss, placement, ctx, log)
     lengths = sample_lengths(train_data, method.length)

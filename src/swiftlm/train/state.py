@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from swiftlm.train import checkpoint as ckpt  # TEMP until swiftlm.checkpoint lands
+from swiftlm import checkpoint as ckpt
 from swiftlm.train.batching import DataPosition
 
 

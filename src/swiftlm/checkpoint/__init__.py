@@ -1,0 +1,41 @@
+"""Checkpoints: atomic folders, exact resume, and every engine's file formats, without pickle.
+
+A checkpoint folder holds the model or adapter exactly as `save_pretrained` writes it (so it
+loads with transformers/peft as is), the engine's own state beside it, each rank's RNG and
+`trainer_state.json`; `COMPLETE` is written last. The engines' formats:
+
+- replicated.py: one full copy (one process, DDP): safetensors weights + optimizer files;
+- sharded.py: DCP shards in `dcp/` (FSDP2, tensor parallel), resharded on load;
+- stages.py: one folder per pipeline stage;
+- deepspeed.py: DeepSpeed's engine folder.
+
+Strategies (swiftlm.distributed) call these; nothing here knows a strategy class.
+"""
+
+from swiftlm.checkpoint.folders import (
+    COMPLETE,
+    checkpoint_dir,
+    find_resume_checkpoint,
+    is_complete,
+    list_checkpoints,
+    mark_complete_when_written,
+    prune_checkpoints,
+    save_pretrained_atomically,
+)
+from swiftlm.checkpoint.save import STATE_FILE, load_checkpoint, save_checkpoint
+from swiftlm.errors import CheckpointError
+
+__all__ = [
+    "COMPLETE",
+    "STATE_FILE",
+    "CheckpointError",
+    "checkpoint_dir",
+    "find_resume_checkpoint",
+    "is_complete",
+    "list_checkpoints",
+    "load_checkpoint",
+    "mark_complete_when_written",
+    "prune_checkpoints",
+    "save_checkpoint",
+    "save_pretrained_atomically",
+]

@@ -1,0 +1,104 @@
+"""Checkpoint folders of a run: names, the COMPLETE marker, listing, pruning, resume choice,
+and atomic writing of a loadable model folder.
+
+`COMPLETE` is written last: a folder without it is a checkpoint that was interrupted and is
+never resumed from.
+"""
+
+import shutil
+from pathlib import Path
+
+from swiftlm.errors import CheckpointError
+
+COMPLETE = "COMPLETE"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step-{step}"
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE).is_file()
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name[5:])
+
+
+def list_checkpoints(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete, incomplete) checkpoint folders of a run, oldest first."""
+    root = run_dir / "checkpoints"
+    folders = (
+        sorted(
+            (p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+            key=_step_of,
+        )
+        if root.is_dir()
+        else []
+    )
+    return [p for p in folders if is_complete(p)], [p for p in folders if not is_complete(p)]
+
+
+def mark_complete_when_written(folder: Path, step: int, pending=None) -> None:
+    """Write `COMPLETE` now, or, for a background save, once its data is all on disk.
+
+    On rank 0 the future of `dcp.async_save` ends after every rank's shards and the metadata
+    are written; a failed save leaves the folder incomplete.
+    """
+
+    def mark(future=None) -> None:
+        if future is None or future.exception() is None:
+            (folder / COMPLETE).write_text(f"step {step}\n")
+
+    if pending is None:
+        mark()
+    else:
+        pending.add_done_callback(mark)
+
+
+def prune_checkpoints(run_dir: Path, keep: int | None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `keep`; never the newest complete one.
+
+    Incomplete folders older than the newest complete checkpoint are leftovers of a crash
+    and are removed too.
+    """
+    complete, incomplete = list_checkpoints(run_dir)
+    removed = []
+    if keep is not None and complete:
+        for folder in complete[: -max(keep, 1)]:
+            shutil.rmtree(folder)
+            removed.append(folder)
+    if complete:
+        newest = _step_of(complete[-1])
+        for folder in incomplete:
+            if _step_of(folder) < newest:
+                shutil.rmtree(folder)
+                removed.append(folder)
+    return removed
+
+
+def find_resume_checkpoint(run_dir: Path, spec: str) -> tuple[Path | None, list[Path]]:
+    """Resolve --resume_from_checkpoint: (folder to resume from, incomplete ones skipped)."""
+    if spec != "auto":
+        folder = Path(spec)
+        if not folder.is_dir():
+            raise CheckpointError(f"--resume_from_checkpoint {spec}: no such folder")
+        return folder, []
+    complete, incomplete = list_checkpoints(run_dir)
+    newest = complete[-1] if complete else None
+    skipped = [p for p in incomplete if newest is None or _step_of(p) > _step_of(newest)]
+    return newest, skipped
+
+
+def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict=None) -> None:
+    """Write a loadable model/adapter + tokenizer via a staging folder, then rename.
+
+    `state_dict`: the weights to write when the live model's own are sharded or split
+    (FSDP2, tensor or pipeline parallel), gathered by the caller.
+    """
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)

@@ -1,0 +1,85 @@
+"""Parallelisms as ordered functions applied to one DeviceMesh (torchtitan's `parallelize`):
+
+    tensor parallel -> activation checkpointing -> compile -> FSDP2 or DDP
+
+Each step changes the model in place (DDP wraps it) and leaves parameter names as they were,
+so checkpoints, adapters and state dicts see the usual modules. The order matters: TP turns
+block weights into DTensors that FSDP2 then shards on the 2-D (dp, tp) mesh; checkpointing
+and compile work per block inside the FSDP units. The same sequence runs on a whole model and
+on one pipeline stage (whose blocks are a slice of the model's).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swiftlm.distributed.ddp import apply_ddp
+from swiftlm.distributed.fsdp2 import apply_fsdp2
+from swiftlm.distributed.mesh import ParallelDims
+from swiftlm.distributed.tp import apply_tensor_parallel
+from swiftlm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What `parallelize` applies besides the mesh's splits (from --gradient_checkpointing,
+    --torch_compile, the compute dtype and --fsdp_offload)."""
+
+    activation_checkpointing: bool = False
+    compile: bool = False
+    compute_dtype: torch.dtype = torch.float32
+    fsdp_offload: bool = False
+
+
+def parallelize(
+    model: nn.Module, dims: ParallelDims, mesh, device: torch.device, options: ParallelizeOptions
+) -> nn.Module:
+    """Apply the parallelisms of `dims` and `options` to `model`, in order; return the model to
+    train (a DDP wrapper when the data-parallel replicas use DDP, else `model` itself)."""
+    if dims.tp > 1:
+        apply_tensor_parallel(model, decoder_layers(model), mesh["tp"])
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if options.compile:
+        compile_decoder_layers(model)
+    if dims.dp > 1 and dims.data_parallel == "fsdp2":
+        apply_fsdp2(model, mesh["dp"], device, options.compute_dtype, options.fsdp_offload)
+    elif dims.dp > 1:
+        model = apply_ddp(model, mesh["dp"], device)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder blocks (`model.get_decoder().layers`; peft models and pipeline stages
+    answer the same), or None."""
+    get_decoder = getattr(model, "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if callable(get_decoder) else None
+    return layers if isinstance(layers, nn.ModuleList) else None
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """--gradient_checkpointing: every decoder block recomputes its activations in backward
+    (non-reentrant torch.utils.checkpoint), through transformers' own per-block switch.
+
+    Applied after the tuner: peft models pass it on to the model they wrap."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """torch.compile each decoder layer in place: parameter names and state dicts stay as
+    they are (checkpoints, adapters and FSDP wrapping see the usual modules), and the one
+    compiled graph is reused by every layer of the same shape."""
+    import shutil
+
+    if not torch.cuda.is_available() and not (shutil.which("g++") or shutil.which("c++")):
+        raise ConfigError(
+            "--torch_compile on CPU needs a C++ compiler (g++) for torch.compile's inductor; "
+            "install one (e.g. apt install g++) or drop --torch_compile"
+        )
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ConfigError("--torch_compile: this model has no decoder `layers` to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
