@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from swiftlm.config import TrainConfig
-from swiftlm.data.collate import collate, collate_packed
+from swiftlm.data.collate import collate, collate_packed, lm_pads
 from swiftlm.data.encode import IGNORE_INDEX, encode_chat_samples
 from swiftlm.data.formats import RowError, chat_sample
 from swiftlm.losses.causal_lm import causal_lm_loss
-from swiftlm.losses.fused_ce import fused_causal_lm_loss
+from swiftlm.losses.fused_ce import fused_causal_lm_loss, install_fused_lm_head
 from swiftlm.methods import token
 from swiftlm.methods.base import EncodeResult, Layout
 
@@ -37,7 +37,7 @@ class WeightedSFT:
         self.data, self.tokenizer = cfg.data, tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.token_pads = {**token.token_pads(self.pad_id), "token_weight": 0.0}
-        self.collate_pads = {**token.lm_pads(self.pad_id), "token_weight": 0.0}
+        self.collate_pads = {**lm_pads(self.pad_id), "token_weight": 0.0}
         self.fused = cfg.train.fused_cross_entropy
 
     def to_sample(self, record: dict) -> dict:
@@ -72,7 +72,7 @@ class WeightedSFT:
         return collate([row[0] for row in layout.rows], self.pad_id, self.collate_pads)
 
     def prepare_model(self, model, log) -> None:
-        self.fused = self.fused and token.install_fused_lm_head(model)
+        self.fused = self.fused and install_fused_lm_head(model)
 
     @staticmethod
     def _shifted_weights(batch: dict) -> torch.Tensor:

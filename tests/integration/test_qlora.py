@@ -35,7 +35,7 @@ def spied_run(argv: list[str]) -> dict:
         model = job.strategy.unwrap(job.model)
         quantized = quantized_linear_names(model)
         seen["linears"], seen["count"] = set(quantized.values()), len(quantized)
-        seen["fused_loss"] = job.method.loss_fn.fused
+        seen["fused_loss"] = job.method.fused
         seen["trainable_dtypes"] = {p.dtype for p in model.parameters() if p.requires_grad}
         return real_run_training(job)
 

@@ -7,23 +7,20 @@ the loss is the mean next-token cross-entropy over the label tokens chosen by --
 from swiftlm.config import TrainConfig
 from swiftlm.data.encode import encode_chat_samples
 from swiftlm.data.formats import RowError, chat_sample, content_images
-from swiftlm.methods import token
-from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
+from swiftlm.methods.base import EncodeResult
+from swiftlm.methods.token import NextTokenObjective
 
 
-class SFT:
+class SFT(NextTokenObjective):
     name = "sft"
-    columns = ("input_ids", "labels")
-    supports_packing = True
     # `swiftlm sft` with neither --model nor --dataset: teach the packaged SmolLM2 a new name,
     # mixed with ordinary Q&A so it keeps answering other questions.
     default_datasets = ("swiftlm/self-cognition", "swiftlm/general-qa")
 
     def __init__(self, cfg: TrainConfig, tokenizer):
-        self.data, self.tokenizer = cfg.data, tokenizer
+        super().__init__(tokenizer, cfg.train.fused_cross_entropy)
+        self.data = cfg.data
         self.placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
-        self.token_pads = token.token_pads(tokenizer.pad_token_id)
-        self.loss_fn = token.TokenLoss(cfg.train.fused_cross_entropy)
 
     def to_sample(self, record: dict) -> dict:
         sample = chat_sample(record, system=self.data.system, placeholders=self.placeholders)
@@ -52,19 +49,3 @@ class SFT:
             "system": d.system,
             "placeholders": list(self.placeholders.values()),
         }
-
-    length = staticmethod(token.token_lengths)
-    masked = staticmethod(token.without_labels)
-    normalizer = staticmethod(token.label_tokens)
-
-    def collate(self, layout: Layout) -> Batch:
-        return token.collate_tokens(layout, self.tokenizer.pad_token_id)
-
-    def prepare_model(self, model, log) -> None:
-        self.loss_fn.prepare_model(model, log)
-
-    def loss(self, model, batch: Batch) -> LossOutput:
-        return self.loss_fn(model, batch)
-
-    def pipeline_loss(self, logits, batch: Batch) -> LossOutput:
-        return token.TokenLoss.from_logits(logits, batch)

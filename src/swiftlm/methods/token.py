@@ -1,8 +1,8 @@
-"""The pieces SFT and pre-training share: causal-LM batches and the token cross-entropy.
+"""Next-token prediction on label tokens: the batches and loss that SFT and pre-training share.
 
-Both methods train next-token prediction on label tokens; they differ only in what they read
-and how they encode it. Methods call these functions rather than inherit them, so each
-method module still reads top to bottom.
+Both methods differ only in what they read and how they encode it; everything from encoded
+samples on is `NextTokenObjective`, which they extend with their `to_sample`, `encode` and
+`cache_options`.
 """
 
 import torch
@@ -14,16 +14,9 @@ from swiftlm.losses.fused_ce import fused_causal_lm_loss, install_fused_lm_head
 from swiftlm.methods.base import Batch, Layout, LossOutput
 
 
-def collate_tokens(layout: Layout, pad_token_id: int) -> Batch:
-    """input_ids/labels in the layout the loop's plan chose."""
-    if layout.packed:
-        return collate_packed(layout.rows, pad_token_id)
-    return collate([row[0] for row in layout.rows], pad_token_id)
-
-
-def label_tokens(batch: Batch) -> float:
-    """Tokens that carry loss after the shift: the normalizer of a token-mean loss."""
-    return float(count_label_tokens(batch["labels"]))
+def token_pads(pad_token_id: int) -> dict[str, int | float]:
+    """The token-aligned tensors of a padded causal-LM batch and their pad values."""
+    return {**lm_pads(pad_token_id), "attention_mask": 0}
 
 
 def token_lengths(sample: dict) -> int:
@@ -35,13 +28,31 @@ def without_labels(sample: dict) -> dict:
     return {**sample, "labels": [IGNORE_INDEX] * len(sample["labels"])}
 
 
-class TokenLoss:
-    """Sum of next-token cross-entropy over label tokens, fused with the LM head when the
-    model allows it (`--fused_cross_entropy`), else from the model's logits."""
+class NextTokenObjective:
+    """Sum of next-token cross-entropy over label tokens, normalized by the label tokens of
+    the step; fused with the LM head when `--fused_cross_entropy` and the model allow it."""
 
-    def __init__(self, fused: bool):
-        self.wants_fused = fused
-        self.fused = False
+    columns = ("input_ids", "labels")
+    supports_packing = True
+
+    def __init__(self, tokenizer, fused_cross_entropy: bool):
+        self.tokenizer = tokenizer
+        self.token_pads = token_pads(tokenizer.pad_token_id)
+        self.wants_fused, self.fused = fused_cross_entropy, False
+
+    length = staticmethod(token_lengths)
+    masked = staticmethod(without_labels)
+
+    def collate(self, layout: Layout) -> Batch:
+        """input_ids/labels in the layout the loop's plan chose."""
+        if layout.packed:
+            return collate_packed(layout.rows, self.tokenizer.pad_token_id)
+        return collate([row[0] for row in layout.rows], self.tokenizer.pad_token_id)
+
+    @staticmethod
+    def normalizer(batch: Batch) -> float:
+        """Tokens that carry loss after the shift."""
+        return float(count_label_tokens(batch["labels"]))
 
     def prepare_model(self, model, log) -> None:
         """Install the fused head on the model (before any wrapper) when asked and possible."""
@@ -53,15 +64,11 @@ class TokenLoss:
                 "--fused_cross_entropy: the output layer is not a plain Linear; using the plain loss"
             )
 
-    def __call__(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
         if self.fused:
             return fused_causal_lm_loss(model, batch)
         return causal_lm_loss(model, batch)
 
     @staticmethod
-    def from_logits(logits: torch.Tensor, batch: Batch) -> LossOutput:
+    def pipeline_loss(logits: torch.Tensor, batch: Batch) -> LossOutput:
         return token_cross_entropy_sum(logits, batch["labels"]), {}
-
-
-def token_pads(pad_token_id: int) -> dict[str, int | float]:
-    return {**lm_pads(pad_token_id), "attention_mask": 0}
