@@ -9,10 +9,11 @@ import warnings
 from swiftlm.distributed.launch import launch, wants_launch
 from swiftlm.errors import SwiftLMError
 
-# subcommand -> (config class path, module with run(cfg), one-line description)
+# subcommand -> (config class path, module with run(cfg), one-line description). A training
+# command (TrainConfig) is a method of `swiftlm.methods.METHODS`, run as run(cfg, name).
 COMMANDS = {
-    "sft": ("TrainConfig", "swiftlm.train.sft", "Supervised fine-tuning (full, LoRA, DoRA)."),
-    "pt": ("TrainConfig", "swiftlm.train.pt", "Continued pre-training on plain text."),
+    "sft": ("TrainConfig", "swiftlm.train.run", "Supervised fine-tuning (full, LoRA, DoRA)."),
+    "pt": ("TrainConfig", "swiftlm.train.run", "Continued pre-training on plain text."),
     "infer": (
         "InferConfig",
         "swiftlm.infer.run",
@@ -92,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         if dist_args is not None and wants_launch(dist_args):
             return launch(dist_args, name, argv, cfg.output.output_dir)
         quiet_libraries()
-        importlib.import_module(module_name).run(cfg)
+        run = importlib.import_module(module_name).run
+        if config_name == "TrainConfig":
+            run(cfg, name)
+        else:
+            run(cfg)
     except SwiftLMError as exc:
         print(f"swiftlm {name}: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -1,7 +1,8 @@
 """A training command top to bottom: config -> model -> data (the method's) -> loop -> final/.
 
-`swiftlm sft` and `swiftlm pt` are `run_method(cfg, SFT)` and `run_method(cfg, PT)`; any
-class that satisfies `methods.base.Method` runs the same way.
+`swiftlm sft` and `swiftlm pt` are `run(cfg, "sft")` and `run(cfg, "pt")`: the methods
+registered in `methods.METHODS`. Any class that satisfies `methods.base.Method` runs the same
+way through `run_method(cfg, cls)`.
 """
 
 from pathlib import Path
@@ -14,6 +15,7 @@ from swiftlm.distributed.env import init_distributed, shutdown_distributed
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.parallelize import apply_activation_checkpointing
 from swiftlm.distributed.strategy import build_strategy
+from swiftlm.methods import METHODS
 from swiftlm.models.loader import load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
 from swiftlm.monitor.metrics import format_summary
@@ -27,6 +29,11 @@ from swiftlm.tuners.setup import count_parameters
 
 def _silent(_: str) -> None:
     """Logging on ranks other than 0."""
+
+
+def run(cfg: TrainConfig, method: str) -> dict:
+    """Train with the registered method `method` (e.g. "sft"); return the run summary."""
+    return run_method(cfg, METHODS[method])
 
 
 def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
