@@ -106,7 +106,9 @@ ROWS = [
     }
     for i in range(16)
 ]
-STEPS = dict(lora_dropout=0, learning_rate="1e-2", max_steps=4, save_steps=4)
+STEPS = dict(
+    lora_dropout=0, learning_rate="1e-2", max_steps=4, save_steps=2, split_dataset_ratio=0.25
+)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
@@ -182,6 +184,10 @@ def test_custom_method_trains_alike_in_one_process_ddp_and_fsdp2(tiny_model_dir,
         assert logged(tmp_path / name) == pytest.approx(single, abs=1e-5), name
         # Metric sums are added over ranks and divided by the step's normalizer, as the loss.
         assert logged(tmp_path / name, "weighted_tokens") == pytest.approx([1.0] * 4), name
+        # Evaluation runs the method's loss and metrics on the held-out quarter, every 2 steps.
+        evals = logged(tmp_path / name, "eval_loss")
+        assert evals == pytest.approx(logged(tmp_path / "single", "eval_loss"), abs=1e-5)
+        assert logged(tmp_path / name, "eval_weighted_tokens") == pytest.approx([1.0, 1.0])
         adapter = "adapter_model.safetensors"
         a, b = tmp_path / "single" / "final" / adapter, tmp_path / name / "final" / adapter
         # Adam magnifies summation-order noise in near-zero gradients (as for TP and PP x DDP).

@@ -173,10 +173,9 @@ def clip_and_step(
 
 
 @torch.no_grad()
-def evaluate(job: TrainingJob, precision: Precision) -> float | None:
-    """The method's mean loss over the validation data."""
-    if not job.val_data:
-        return None
+def evaluate(job: TrainingJob, precision: Precision) -> dict[str, float]:
+    """The method's mean loss (`eval_loss`) and metrics (`eval_<name>`) over the validation
+    data, each a sum over all ranks divided by the summed normalizer, as in training."""
     was_training = job.model.training
     job.model.eval()
     size, method, strategy = job.args.per_device_eval_batch_size, job.method, job.strategy
@@ -186,17 +185,20 @@ def evaluate(job: TrainingJob, precision: Precision) -> float | None:
     # as rank 0; a rank out of samples runs a fully masked one that adds nothing.
     most = len(job.val_data[:: strategy.dp_size])
     masked = method.masked(job.val_data[0])
-    loss_sum, normalizer = 0.0, 0.0
+    sums: dict[str, float] = {"loss": 0.0}
+    normalizer = 0.0
     for i in range(0, most, size):
         rows = [[sample] for sample in mine[i : i + size]] or [[masked]]
         batch = method.collate(Layout(rows=rows, packed=False))
         with precision.autocast():
-            batch_loss, _ = method.loss(job.model, _to_device(batch, job.device))
-        loss_sum += float(batch_loss)
+            batch_loss, metrics = method.loss(job.model, _to_device(batch, job.device))
+        for name, value in {"loss": batch_loss, **metrics}.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
         normalizer += method.normalizer(batch)
     job.model.train(was_training)
     total = _data_sum(strategy, normalizer)
-    return _data_sum(strategy, loss_sum) / (total if total > 0 else 1.0)
+    divisor = total if total > 0 else 1.0
+    return {f"eval_{name}": _data_sum(strategy, value) / divisor for name, value in sums.items()}
 
 
 def _beat(job: TrainingJob, step: int, phase: str) -> None:
@@ -265,8 +267,9 @@ def run_training(job: TrainingJob) -> dict:
                 )
             if job.val_data and (state.step % eval_every == 0 or last):
                 _beat(job, state.step, "evaluation")
-                state.last_eval_loss = evaluate(job, precision)
-                metrics.log({"step": state.step, "eval_loss": state.last_eval_loss})
+                evaluated = evaluate(job, precision)
+                state.last_eval_loss = evaluated["eval_loss"]
+                metrics.log({"step": state.step, **evaluated})
                 progress.write(f"step {state.step}: eval_loss {state.last_eval_loss:.4f}")
             state.train_seconds = time.perf_counter() - started
             if state.step % out.save_steps == 0 or last:
