@@ -145,6 +145,14 @@ def _chunk_loss(hidden, targets, chunk_rows, w, b, grads) -> torch.Tensor:
     # d loss / d logits = softmax - onehot, still in the logits' memory.
     grad_logits = exp_logits.div_(sum_exp)
     grad_logits[torch.arange(t.shape[0], device=t.device), t.squeeze(1)] -= 1.0
+    push_through_head(grad_logits, chunk_rows, h, w, grads)
+    return loss
+
+
+def push_through_head(grad_logits, chunk_rows, h, w, grads) -> None:
+    """Add a chunk's gradients of the head's inputs (hidden rows, weight, bias) to the
+    accumulators in grads that are not None, from d loss / d logits of its rows."""
+    grad_hidden, grad_weight, grad_bias = grads
     if grad_bias is not None:
         grad_bias += grad_logits.sum(0)
     g = grad_logits.to(w.dtype)
@@ -152,7 +160,6 @@ def _chunk_loss(hidden, targets, chunk_rows, w, b, grads) -> torch.Tensor:
         grad_hidden.index_copy_(0, chunk_rows, (g @ w).to(grad_hidden.dtype))
     if grad_weight is not None:
         _accumulate(grad_weight, g.t(), h)
-    return loss
 
 
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

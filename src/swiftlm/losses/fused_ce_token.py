@@ -18,11 +18,11 @@ from torch.autograd.function import once_differentiable
 
 from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.losses.fused_ce import (
-    _accumulate,
     _float32_zeros,
     autocast_off,
     compute_dtype_for,
     default_chunk_size,
+    push_through_head,
 )
 
 
@@ -91,19 +91,12 @@ def _chunk_grads(hidden, chunk_rows, scaled, w, b, grads) -> None:
     """Adds one chunk's gradients to the accumulators in grads that are not None; `scaled`
     holds the chunk's targets, logsumexp and grad_output."""
     chunk_targets, lse, scale = scaled
-    grad_hidden, grad_weight, grad_bias = grads
     h, logits = _chunk_logits(hidden, chunk_rows, w, b)
     # d loss_i / d logits_i = softmax_i - onehot_i, times grad_output_i, in the logits' memory.
     grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
     grad_logits[torch.arange(chunk_targets.numel(), device=lse.device), chunk_targets] -= 1.0
     grad_logits.mul_(scale.unsqueeze(1))
-    if grad_bias is not None:
-        grad_bias += grad_logits.sum(0)
-    g = grad_logits.to(w.dtype)
-    if grad_hidden is not None:
-        grad_hidden.index_copy_(0, chunk_rows, (g @ w).to(grad_hidden.dtype))
-    if grad_weight is not None:
-        _accumulate(grad_weight, g.t(), h)
+    push_through_head(grad_logits, chunk_rows, h, w, grads)
 
 
 class ChunkedLinearCrossEntropyPerToken(torch.autograd.Function):
