@@ -134,20 +134,13 @@ def test_export_bits_follow_the_method(flags, bits):
     assert quant_bits(cfg.quant) == bits
 
 
+# Every export rule's message is tested in test_config_rules.py; here, that the export
+# command runs the rules before anything else.
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--quant_method", "int8", "--quant_bits", 4], "use --quant_method int4"),
-        (["--quant_method", "int4", "--quant_bits", 8], "use --quant_method int8"),
-        (["--quant_method", "int4", "--quant_bits", 3], "drop --quant_bits$"),
-        (["--quant_method", "bnb", "--quant_bits", 2], "pass --quant_bits 4 or 8"),
-        (["--quant_method", "int4", "--group_size", 100], "--group_size 32, 64 or 128"),
-        (["--quant_method", "bnb", "--group_size", 64], "applies to --quant_method int4"),
         (["--quant_method", "int8", "--bnb_4bit_quant_type", "fp4"], "bnb --quant_bits 4 only"),
-        (
-            ["--quant_method", "bnb", "--quant_bits", 8, "--bnb_4bit_use_double_quant", "false"],
-            "not to --quant_method bnb --quant_bits 8",
-        ),
     ],
 )
 def test_export_flag_errors_name_the_fix(flags, message, monkeypatch):
