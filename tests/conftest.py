@@ -203,9 +203,11 @@ def max_weight_difference(file_a: Path, file_b: Path) -> float:
 
 def tiny_sft(model_dir: Path, data: Path, out: Path, **flags) -> list:
     """`swiftlm sft` arguments for a tiny-model run: fp32, no TensorBoard, a log line per
-    step, then `flags` as `--name value`."""
+    step, unless `flags` say otherwise; then `flags` as `--name value` (a list: several values).
+    Each flag appears once: a repeated scalar flag is an error, a repeated list flag adds."""
+    defaults = {"torch_dtype": "float32", "report_to": "none", "logging_steps": 1}
     argv = ["sft", "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out)]
-    argv += ["--torch_dtype", "float32", "--report_to", "none", "--logging_steps", "1"]
-    for name, value in flags.items():
-        argv += [f"--{name}", str(value)]
+    for name, value in {**defaults, **flags}.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        argv += [f"--{name}", *map(str, values)]
     return argv

@@ -13,8 +13,16 @@ FAST = ["--torch_dtype", "float32", "--report_to", "none", "--logging_steps", "1
 
 
 def sft(tiny_model_dir, data, out, *extra) -> int:
+    """`swiftlm sft` on the tiny model with the FAST flags, unless `extra` gives them."""
     argv = ["sft", "--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(out)]
-    return main(argv + FAST + [str(x) for x in extra])
+    given = {str(x) for x in extra if str(x).startswith("--")}
+    fast = [
+        x
+        for flag, value in zip(FAST[::2], FAST[1::2], strict=True)
+        if flag not in given
+        for x in (flag, value)
+    ]
+    return main(argv + fast + [str(x) for x in extra])
 
 
 def read_metrics(run_dir) -> list[dict]:

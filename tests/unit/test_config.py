@@ -154,10 +154,6 @@ def test_dashed_flag_names_are_accepted():
     assert config.train.learning_rate == 3e-4
 
 
-def test_last_flag_wins():
-    assert parse(["--max_steps", "3", "--max_steps", "5"]).train.max_steps == 5
-
-
 def test_bad_choice_exits_through_argparse(capsys):
     with pytest.raises(SystemExit) as info:
         parse(["--train_type", "lor"])

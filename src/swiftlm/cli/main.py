@@ -1,5 +1,6 @@
 """The `swiftlm` command: `swiftlm <subcommand> [config.yaml] [--flag value ...]`."""
 
+import difflib
 import importlib
 import logging
 import os
@@ -33,6 +34,12 @@ def usage() -> str:
     lines += [f"  {name:<8} {desc}" for name, (_, _, desc) in COMMANDS.items()]
     lines += ["", "`swiftlm <command> --help` lists the flags of a command."]
     return "\n".join(lines)
+
+
+def nearest_command(name: str) -> str:
+    """The hint for a mistyped command (`; did you mean 'sft'?`), or an empty string."""
+    match = difflib.get_close_matches(name, list(COMMANDS), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""
 
 
 def with_default_recipe(name: str, argv: list[str]) -> list[str]:
@@ -79,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"swiftlm: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
+        print(
+            f"swiftlm: unknown command '{name}'{nearest_command(name)}\n\n{usage()}",
+            file=sys.stderr,
+        )
         return 2
     config_name, module_name, description = COMMANDS[name]
     try:
@@ -88,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
         argv = with_default_recipe(name, rest)
         config_cls = getattr(config_module, config_name)
-        cfg = parse_config(config_cls, argv, f"swiftlm {name}", description)
+        unused = config_module.UNUSED_FLAGS[name]
+        cfg = parse_config(config_cls, argv, f"swiftlm {name}", description, unused)
         dist_args = getattr(cfg, "dist", None)
         if dist_args is not None and wants_launch(dist_args):
             return launch(dist_args, name, argv, cfg.output.output_dir)

@@ -1,12 +1,14 @@
 """Command configs, each a composition of typed sections.
 
 - `sections.py`: the sections; each checks its own fields (`checks.py`) when built;
-- `commands.py`: the configs of `swiftlm sft/pt`, `infer` and `export`;
+- `commands.py`: the configs of `swiftlm sft/pt`, `infer` and `export`, and the flags each
+  command leaves out (`UNUSED_FLAGS`);
+- `argv.py`: repeated and aliased flags resolved before argparse;
 - `rules.py`: every rule between flags, run once by a command with `rules.check(cfg)`;
 - `parse.py`: a config from a YAML file plus flags, and back to config.yaml.
 """
 
-from swiftlm.config.commands import ExportConfig, InferConfig, TrainConfig
+from swiftlm.config.commands import UNUSED_FLAGS, ExportConfig, InferConfig, TrainConfig
 from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
     DataArguments,
@@ -35,6 +37,7 @@ __all__ = [
     "TrainArguments",
     "TrainConfig",
     "TunerArguments",
+    "UNUSED_FLAGS",
     "load_saved_config",
     "parse_config",
     "save_config",

@@ -27,7 +27,8 @@ class Check:
         """The message for a bad value, None for a good or unset one."""
         if value is None or self.ok(value):
             return None
-        return self.message.format(flag=flag, value=value)
+        shown = " ".join(map(str, value)) if isinstance(value, list) else value  # as typed
+        return self.message.format(flag=flag, value=shown)
 
 
 def _note(note: str) -> str:

@@ -48,3 +48,39 @@ class ExportConfig:
     infer: InferArguments = field(default_factory=InferArguments)
     export: ExportArguments = field(default_factory=ExportArguments)
     quant: QuantArguments = field(default_factory=QuantArguments)
+
+
+# Flags of a command's config that the command does not use: left out of its parser and
+# `--help`, and an error when given (flag or YAML key). A test runs each command's parser.
+_EXPORT_ONLY = frozenset({"group_size", "quant_n_samples"})
+_SFT_ONLY = frozenset({"system", "loss_scope", "truncation_strategy", "model_name", "model_author"})
+UNUSED_FLAGS: dict[str, frozenset[str]] = {
+    "sft": _EXPORT_ONLY,
+    # Pre-training reads plain text cut into --max_length chunks: no chat, no truncation.
+    "pt": _EXPORT_ONLY | _SFT_ONLY,
+    # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
+    "infer": frozenset(
+        {
+            "dataset",
+            "split_dataset_ratio",
+            "max_length",
+            "truncation_strategy",
+            "loss_scope",
+            "load_from_cache_file",
+        }
+    ),
+    # --dataset is calibration data for gptq/awq, rendered like training with every token kept.
+    "export": frozenset(
+        {
+            "val_dataset",
+            "split_dataset_ratio",
+            "truncation_strategy",
+            "loss_scope",
+            "load_from_cache_file",
+            "result_path",
+            "max_batch_size",
+            "stream",
+            "seed",
+        }
+    ),
+}

@@ -2,23 +2,25 @@
 
 The flag parser is transformers' `HfArgumentParser` (argparse over dataclasses, help from
 field metadata). What we add: a YAML file as the first positional argument, flat or nested
-by section; unknown keys and flags rejected with the nearest valid name; ms-swift aliases.
+by section; unknown keys and flags rejected with the nearest valid name; ms-swift aliases;
+list flags that take several values and repetitions (`--dataset a b` = `--dataset a
+--dataset b`); a scalar flag given twice with different values, or a YAML key given twice,
+rejected; and per command, the flags it does not use left out of its parser (and `--help`).
 """
 
 import dataclasses
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from swiftlm.config.argv import ALIASES, auto_to_number, merge_repeated_flags, normalize_flag
 from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
 
 C = TypeVar("C")
-
-# Names that ms-swift users type for the same knob (ms-swift renamed several between versions).
-ALIASES = {"tuner_type": "train_type", "sft_type": "train_type", "model_id_or_path": "model"}
 
 
 def section_types(config_cls: type) -> dict[str, type]:
@@ -48,11 +50,29 @@ def _misplaced_key_hint(section: str, key: str, owners: dict[str, str]) -> str:
     return f"unknown key '{section}.{key}'{_nearest(key, sorted(owners))}"
 
 
-def flatten_yaml(data: dict, config_cls: type, source: str) -> dict[str, Any]:
-    """Accept `key: value` at the top level or grouped by section (`train: {...}`)."""
+def _unused_hint(key: str, command: str) -> str:
+    return f"'{key}' is not used by `{command}` (see `{command} --help` for its flags)"
+
+
+def flatten_yaml(
+    data: dict, config_cls: type, source: str, unused: frozenset = frozenset(), command: str = ""
+) -> dict[str, Any]:
+    """Accept `key: value` at the top level or grouped by section (`train: {...}`). A key
+    given twice (flat and in its section) and a key the command does not use are errors."""
     owners = flag_owners(config_cls)
     sections = section_types(config_cls)
     flat: dict[str, Any] = {}
+
+    def put(key: str, value: Any) -> None:
+        if key in unused:
+            raise ConfigError(f"{source}: {_unused_hint(key, command)}")
+        if key in flat:
+            raise ConfigError(
+                f"{source}: '{key}' is given twice (at the top level and in "
+                f"section '{owners[key]}'); keep one"
+            )
+        flat[key] = value
+
     for key, value in data.items():
         key = ALIASES.get(key, key)
         if key in sections and isinstance(value, dict):
@@ -60,53 +80,55 @@ def flatten_yaml(data: dict, config_cls: type, source: str) -> dict[str, Any]:
                 sub_key = ALIASES.get(sub_key, sub_key)
                 if owners.get(sub_key) != key:
                     raise ConfigError(f"{source}: {_misplaced_key_hint(key, sub_key, owners)}")
-                flat[sub_key] = sub_value
+                put(sub_key, sub_value)
         elif key in owners:
-            flat[key] = value
+            put(key, value)
         else:
             hint = _nearest(key, sorted(owners) + sorted(sections))
             raise ConfigError(f"{source}: unknown key '{key}'{hint}")
     return flat
 
 
-def load_yaml(path: str, config_cls: type) -> dict[str, Any]:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key repeated in one mapping is an error (PyYAML keeps
+    the last value without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(
+                    f"{self.name}:{line}: key '{key}' is given twice (first on line {seen[key]}); "
+                    "keep one"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(
+    path: str, config_cls: type, unused: frozenset = frozenset(), command: str = ""
+) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        loader = _UniqueKeyLoader(file.read_text(encoding="utf-8"))
+        loader.name = path
+        try:
+            data = loader.get_single_data() or {}
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of flag names to values")
-    return flatten_yaml(data, config_cls, path)
+    return flatten_yaml(data, config_cls, path, unused, command)
 
 
 # Integer flags that also accept the word `auto`: stored as this number, resolved at run time.
 AUTO_INT_FLAGS = {"per_device_train_batch_size": AUTO_BATCH_SIZE}
-
-
-def _auto_to_number(argv: list[str]) -> list[str]:
-    """`--per_device_train_batch_size auto` (or `=auto`) -> 0, before argparse's int()."""
-    out = list(argv)
-    for i, arg in enumerate(out):
-        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        if name not in AUTO_INT_FLAGS:
-            continue
-        if eq and value == "auto":
-            out[i] = f"--{name}={AUTO_INT_FLAGS[name]}"
-        elif not eq and i + 1 < len(out) and out[i + 1] == "auto":
-            out[i + 1] = str(AUTO_INT_FLAGS[name])
-    return out
-
-
-def _normalize_flag(arg: str) -> str:
-    """`--tuner-type=x` -> `--train_type=x`: accept dashes and ms-swift aliases."""
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg[2:].partition("=")
-    name = name.replace("-", "_")
-    return f"--{ALIASES.get(name, name)}{eq}{value}"
 
 
 def _split_yaml_values(values: dict[str, Any]) -> tuple[list[str], dict[str, list[str]]]:
@@ -123,11 +145,39 @@ def _split_yaml_values(values: dict[str, Any]) -> tuple[list[str], dict[str, lis
     return argv, lists
 
 
-def build_parser(config_cls: type, prog: str, description: str):
+def list_flags(config_cls: type) -> set[str]:
+    """The flags that take several values (list fields)."""
+    return {
+        f.name
+        for cls in section_types(config_cls).values()
+        for f in dataclasses.fields(cls)
+        if typing.get_origin(f.type) is list
+    }
+
+
+def _visible_section(cls: type, name: str, unused: frozenset) -> type:
+    """`cls` without the fields a command does not use, for its parser and `--help`; the
+    command's config is still built from `cls` (its checks and defaults)."""
+    kept = []
+    for f in dataclasses.fields(cls):
+        if f.name in unused:
+            continue
+        default = (
+            {"default_factory": f.default_factory}
+            if f.default_factory is not dataclasses.MISSING
+            else {"default": f.default}
+        )
+        kept.append((f.name, f.type, dataclasses.field(metadata=f.metadata, **default)))
+    visible = dataclasses.make_dataclass(cls.__name__, kept)
+    visible._argument_group_name = f"{name} flags"  # HfArgumentParser: one --help group each
+    return visible
+
+
+def build_parser(config_cls: type, prog: str, description: str, unused: frozenset = frozenset()):
     from transformers import HfArgumentParser
 
     return HfArgumentParser(
-        list(section_types(config_cls).values()),
+        [_visible_section(cls, name, unused) for name, cls in section_types(config_cls).items()],
         prog=prog,
         usage=f"{prog} [config.yaml] [--flag value ...]",
         description=description,
@@ -135,32 +185,50 @@ def build_parser(config_cls: type, prog: str, description: str):
     )
 
 
-def parse_config(config_cls: type[C], argv: list[str], prog: str, description: str = "") -> C:
+def parse_config(
+    config_cls: type[C],
+    argv: list[str],
+    prog: str,
+    description: str = "",
+    unused: frozenset = frozenset(),
+) -> C:
     """Parse `[config.yaml] [--flag value ...]` into a command config.
 
+    `unused`: flags of `config_cls` that this command does not use; given, they are errors.
     A value of the wrong type or choice exits through argparse (code 2); a value that its
-    section rejects (`__post_init__`), an unknown flag or key raise ConfigError, which the CLI
-    prints as `swiftlm <cmd>: error: ...` with exit code 2 too. Rules between flags are
-    checked later, by the command (`rules.check`)."""
-    argv = [_normalize_flag(a) for a in argv]
-    parser = build_parser(config_cls, prog, description)
+    section rejects (`__post_init__`), an unknown, unused or conflicting flag or key raise
+    ConfigError, which the CLI prints as `swiftlm <cmd>: error: ...` with exit code 2 too.
+    Rules between flags are checked later, by the command (`rules.check`)."""
+    argv = [normalize_flag(a) for a in argv]
+    parser = build_parser(config_cls, prog, description, unused)
+    yaml_flags: list[str] = []
     if argv and argv[0].endswith((".yaml", ".yml")):
-        yaml_flags, yaml_lists = _split_yaml_values(load_yaml(argv[0], config_cls))
+        yaml_flags, yaml_lists = _split_yaml_values(load_yaml(argv[0], config_cls, unused, prog))
         parser.set_defaults(**yaml_lists)
-        argv = yaml_flags + argv[1:]
-    argv = _auto_to_number(argv)
+        argv = argv[1:]
+    # Repetitions are resolved among the user's flags only: a flag overrides the YAML file.
+    argv = yaml_flags + merge_repeated_flags(argv, list_flags(config_cls))
     *sections, remaining = parser.parse_args_into_dataclasses(
-        argv, return_remaining_strings=True, look_for_args_file=False
+        auto_to_number(argv, AUTO_INT_FLAGS),
+        return_remaining_strings=True,
+        look_for_args_file=False,
     )
     if remaining:
-        _raise_for_leftover(remaining[0], config_cls, prog)
-    return config_cls(**dict(zip(section_types(config_cls), sections, strict=True)))
+        _raise_for_leftover(remaining[0], config_cls, prog, unused)
+    return config_cls(
+        **{
+            name: cls(**dataclasses.asdict(parsed))
+            for (name, cls), parsed in zip(section_types(config_cls).items(), sections, strict=True)
+        }
+    )
 
 
-def _raise_for_leftover(arg: str, config_cls: type, prog: str) -> None:
+def _raise_for_leftover(arg: str, config_cls: type, prog: str, unused: frozenset) -> None:
     if arg.startswith("-"):
         name = arg.lstrip("-").split("=")[0]
-        hint = _nearest(name, sorted(flag_owners(config_cls)))
+        if name in unused:
+            raise ConfigError(f"--{name} is not used by `{prog}` (see `{prog} --help`)")
+        hint = _nearest(name, sorted(set(flag_owners(config_cls)) - unused))
         raise ConfigError(f"unknown flag --{name}{hint} (see `{prog} --help`)")
     raise ConfigError(
         f"unexpected argument '{arg}': a config file must end in .yaml and come first; "

@@ -20,6 +20,13 @@ AUTO_BATCH_SIZE = 0
 FSDP_SPELLINGS = ("fsdp2", "full_shard", "shard")
 # `--max_shard_size` forms that transformers' save_pretrained parses.
 SHARD_SIZE = r"\d+(GIB|MIB|KIB|GB|MB|KB)"
+# `--report_to` values: the loggers swiftlm writes besides metrics.jsonl.
+LOGGERS = ("tensorboard", "wandb")
+LOGGER_CHOICES = "the loggers are tensorboard and wandb (one or both), or none alone for neither"
+
+
+def _known_loggers(names: list[str]) -> bool:
+    return names == ["none"] or all(name in LOGGERS for name in names)
 
 
 def doc(text: str, **kwargs):
@@ -219,7 +226,9 @@ class OutputArguments:
         default=None,
     )
     report_to: list[str] = doc(
-        "Loggers besides metrics.jsonl: tensorboard, none.", default_factory=lambda: ["tensorboard"]
+        "Loggers besides metrics.jsonl: tensorboard, wandb (the wandb extra; WANDB_MODE=offline "
+        "keeps it local), or none.",
+        default_factory=lambda: ["tensorboard"],
     )
 
     def __post_init__(self):
@@ -228,6 +237,7 @@ class OutputArguments:
             logging_steps=at_least(1),
             save_steps=at_least(1),
             eval_steps=at_least(1, note="or unset: every --save_steps"),
+            report_to=custom(_known_loggers, "--{flag} {value}: " + LOGGER_CHOICES),
         )
 
 

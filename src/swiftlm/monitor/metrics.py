@@ -1,4 +1,4 @@
-"""Where metrics go: metrics.jsonl (always), TensorBoard (optional), a progress bar, a summary."""
+"""Where metrics go: metrics.jsonl (always), the --report_to loggers, a progress bar, a summary."""
 
 import json
 import resource
@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from swiftlm.monitor.loggers import open_loggers
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -19,37 +21,36 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Append one JSON object per logged step; mirror scalars to TensorBoard when asked."""
+    """Append one JSON object per logged step; mirror its scalars to the --report_to loggers."""
 
     def __init__(
         self, run_dir: Path, report_to: list[str], resume: bool = False, enabled: bool = True
     ):
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled  # only rank 0 writes
-        self.tensorboard = None
+        self.loggers = []
         if not enabled:
             return
         if not resume and self.path.exists():
             self.path.unlink()
-        if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self.loggers = open_loggers(run_dir, report_to, resume)
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.tensorboard is not None:
-            step = metrics["step"]
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, step)
+        scalars = {
+            key: value
+            for key, value in metrics.items()
+            if key != "step" and isinstance(value, (int, float))
+        }
+        for logger in self.loggers:
+            logger.log(scalars, metrics["step"])
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for logger in self.loggers:
+            logger.close()
 
 
 class Progress:

@@ -18,6 +18,7 @@ from swiftlm.distributed.strategy import build_strategy
 from swiftlm.methods import METHODS
 from swiftlm.models.loader import load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
+from swiftlm.monitor.loggers import check_loggers_installed
 from swiftlm.monitor.metrics import format_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.train.batching import describe_plan
@@ -41,6 +42,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     from transformers import set_seed
 
     check(cfg, run_facts(method_cls))  # every rule between flags, before anything loads
+    check_loggers_installed(cfg.output.report_to)
     ctx = init_distributed(cfg.dist.dist_timeout)
     log = log if ctx.is_main else _silent
     resolved = resolve_model(cfg.model.model) if ctx.is_main else None
