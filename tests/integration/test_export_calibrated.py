@@ -32,8 +32,10 @@ def fast_gptqmodel(monkeypatch):
 
 
 def _export(model_dir, data, out, method, *flags):
+    """Export with 8 calibration samples, unless `flags` give --quant_n_samples."""
     argv = ["export", "--model", str(model_dir), "--quant_method", method, "--dataset", str(data)]
-    return main([*argv, "--quant_n_samples", "8", "--output_dir", str(out), *flags])
+    samples = [] if "--quant_n_samples" in flags else ["--quant_n_samples", "8"]
+    return main([*argv, *samples, "--output_dir", str(out), *flags])
 
 
 def _load_and_generate(folder):

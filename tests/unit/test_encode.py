@@ -97,7 +97,48 @@ def test_truncation_strategies_count_and_cut():
     assert report.counts == {"truncated": 2, "deleted": 1}
     prompt_only = {"input_ids": list(range(10)), "labels": [IGNORE_INDEX] * 8 + [8, 9]}
     assert truncate(prompt_only, 5, "right", report) is None
-    assert report.counts["dropped (no answer tokens left)"] == 1
+    assert report.counts["dropped (no label tokens left)"] == 1
+
+
+@pytest.mark.bad_input(
+    input="--truncation_strategy left or right cutting away every label token of a sample",
+    outcome="The sample is dropped and counted in the truncation summary",
+)
+@pytest.mark.parametrize("strategy", ["left", "right"])
+def test_truncation_that_leaves_no_label_tokens_drops_the_sample(strategy):
+    # Left keeps [answer's last token, newline]: its one label is the first token, which no
+    # earlier token predicts. Right keeps only prompt tokens.
+    sample = {"input_ids": list(range(6)), "labels": [IGNORE_INDEX] * 3 + [3, 4, IGNORE_INDEX]}
+    report = TruncationReport(strategy, 2)
+    assert truncate(sample, 2, strategy, report) is None
+    assert report.counts == {"dropped (no label tokens left)": 1}
+    assert report.summary() == (
+        f"--max_length 2 --truncation_strategy {strategy}: 1 dropped (no label tokens left)"
+    )
+
+
+def test_sample_without_label_tokens_is_dropped_even_when_it_fits():
+    report = TruncationReport("delete", 10)
+    sample = {"input_ids": [1, 2, 3], "labels": [1, IGNORE_INDEX, IGNORE_INDEX]}
+    assert truncate(sample, 10, "delete", report) is None
+    assert report.counts == {"dropped (no label tokens)": 1}
+
+
+@pytest.mark.bad_input(
+    input="--max_length 2 --truncation_strategy left: no sample keeps a label token",
+    outcome="Stops before step 1 naming --max_length, --truncation_strategy and --loss_scope",
+)
+def test_data_without_any_label_token_is_an_error_naming_the_flags(tiny_tokenizer):
+    samples = [{"messages": CONVERSATION[1:3], "source": f"x.jsonl:{n}"} for n in (1, 2)]
+    with pytest.raises(DataError) as info:
+        encode_chat_samples(tiny_tokenizer, samples, 2, "left", "assistant")
+    assert str(info.value) == (
+        "no sample has label tokens to train on with --max_length 2, --truncation_strategy "
+        "left and --loss_scope assistant (of 2 samples: 2 dropped (no label tokens left)); "
+        "raise --max_length, use --truncation_strategy left (it keeps the end of each "
+        "conversation, where the last answer is) or --loss_scope all (loss on every token, "
+        "prompts included)"
+    )
 
 
 def test_encode_chat_samples_reports_deleted(tiny_tokenizer):
@@ -117,15 +158,29 @@ def test_encode_chat_samples_reports_deleted(tiny_tokenizer):
 
 def test_pretraining_chunks_concatenate_documents_with_eos(tiny_tokenizer):
     texts = ["Hello! How can I help you today?", "The quick brown fox jumps over the lazy dog."]
-    chunks = encode_pretraining(tiny_tokenizer, texts, 8)
+    chunks, dropped = encode_pretraining(tiny_tokenizer, texts, 8)
     stream = [t for c in chunks for t in c["input_ids"]]
     expected = []
     for text in texts:
         expected += tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
         expected.append(tiny_tokenizer.eos_token_id)
-    assert stream == expected
+    assert stream == expected and dropped == 0
     assert all(len(c["input_ids"]) == 8 for c in chunks[:-1])
     assert all(c["labels"] == c["input_ids"] for c in chunks)
+
+
+@pytest.mark.bad_input(
+    input="Pre-training text whose last chunk is a single token",
+    outcome="The chunk is dropped and counted (nothing to predict)",
+)
+def test_pretraining_drops_and_counts_a_one_token_chunk(tiny_tokenizer):
+    text = "The quick brown fox jumps over the lazy dog."
+    length = len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    chunks, dropped = encode_pretraining(tiny_tokenizer, [text], length - 1)
+    assert [len(c["input_ids"]) for c in chunks] == [length - 1]
+    assert dropped == 1
+    with pytest.raises(DataError, match="no pre-training chunk has a token to predict"):
+        encode_pretraining(tiny_tokenizer, [text], 1)
 
 
 def test_template_that_rewrites_history_is_reported(tiny_tokenizer, tmp_path):
@@ -179,3 +234,38 @@ def test_images_are_refused_by_text_encoding(tiny_tokenizer):
         "x.jsonl:7: message 1 has 1 image(s), which text-only chat encoding cannot use; "
         "remove its image parts"
     )
+
+
+def trained_text(tokenizer, encoded: dict) -> list[str]:
+    return [tokenizer.decode(span) for span in label_spans(encoded)]
+
+
+@pytest.mark.bad_input(
+    input='ms-swift\'s per-message `loss` key on assistant turns (`"loss": false`)',
+    outcome="Honoured: the turn is trained or not whatever --loss_scope chose; with "
+    "--loss_scope all, or on a user turn, an error naming the message",
+)
+def test_per_message_loss_overrides_the_scope_for_that_turn(tmp_path):
+    from swiftlm.data.formats import RowError, chat_sample
+
+    tokenizer = build_tokenizer(tmp_path)
+    row = {"messages": [dict(m) for m in CONVERSATION]}
+    row["messages"][2]["loss"] = False
+    messages = chat_sample(row)["messages"]
+    assert trained_text(tokenizer, encode_chat(tokenizer, messages, "assistant")) == [
+        "The capital of France is Paris.<|im_end|>"
+    ]
+    row["messages"][2]["loss"], row["messages"][4]["loss"] = True, False
+    messages = chat_sample(row)["messages"]
+    assert trained_text(tokenizer, encode_chat(tokenizer, messages, "last_turn")) == [
+        "I am a helpful assistant.<|im_end|>"
+    ]
+    with pytest.raises(DataError, match="message 3 sets 'loss'.*--loss_scope all"):
+        encode_chat(tokenizer, messages, "all")
+    row["messages"][1]["loss"] = True
+    with pytest.raises(RowError, match=r"message 2 \(user\) has 'loss'"):
+        chat_sample(row)
+    row["messages"][1].pop("loss")
+    row["messages"][2]["loss"] = "yes"
+    with pytest.raises(RowError, match="'loss' must be true or false, got str"):
+        chat_sample(row)

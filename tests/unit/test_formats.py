@@ -2,15 +2,8 @@
 
 import pytest
 
-from swiftlm.data.formats import (
-    RowError,
-    check_conversation,
-    content_images,
-    content_text,
-    flatten_text_parts,
-    to_messages,
-    to_text,
-)
+from swiftlm.data.formats import RowError, check_conversation, to_messages, to_text
+from swiftlm.data.parts import content_images, content_text, flatten_text_parts
 
 
 def user(text):
@@ -27,6 +20,12 @@ def system(text):
 
 def tool(text):
     return {"role": "tool", "content": text}
+
+
+def calls(text, *functions):
+    """A canonical assistant message with `text` and one tool call per function."""
+    tool_calls = [{"type": "function", "function": function} for function in functions]
+    return {"role": "assistant", "content": text, "tool_calls": tool_calls}
 
 
 def expect_error(kind, fragment, record, **kwargs):
@@ -63,7 +62,7 @@ def test_messages_format_maps_ms_swift_tool_roles():
     }
     assert to_messages(record) == [
         user("Weather?"),
-        assistant('{"name": "weather"}'),
+        calls("", {"name": "weather", "arguments": {}}),
         tool("sunny"),
         tool("warm"),
         assistant("Sunny and warm."),
@@ -77,7 +76,7 @@ def test_sharegpt_from_value_with_top_level_system():
             {"from": "human", "value": "Hi"},
             {"from": "gpt", "value": "Hello"},
             {"from": "human", "value": "Look it up"},
-            {"from": "function_call", "value": "search()"},
+            {"from": "function_call", "value": '{"name": "search", "arguments": "{}"}'},
             {"from": "observation", "value": "found"},
             {"from": "gpt", "value": "Found it."},
         ],
@@ -87,7 +86,7 @@ def test_sharegpt_from_value_with_top_level_system():
         user("Hi"),
         assistant("Hello"),
         user("Look it up"),
-        assistant("search()"),
+        calls("", {"name": "search", "arguments": {}}),
         tool("found"),
         assistant("Found it."),
     ]
@@ -441,7 +440,7 @@ def test_flatten_text_parts_keeps_strings_and_images():
 def test_to_text_uses_the_text_of_part_lists():
     record = {
         "messages": [
-            {"role": "user", "content": [text_part("Q"), image_part("x.png"), text_part("?")]},
+            {"role": "user", "content": [text_part("Q"), text_part("?")]},
             assistant("A"),
         ]
     }

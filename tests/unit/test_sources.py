@@ -178,7 +178,6 @@ def test_txt_not_utf8_names_line(tmp_path):
 def test_directory_reads_supported_files_sorted(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"n": "b"}\n')
     (tmp_path / "a.txt").write_text("doc a")
-    (tmp_path / "notes.md").write_text("ignored")
     (tmp_path / ".hidden.jsonl").write_text('{"n": "hidden"}\n')
     (tmp_path / "sub.json").mkdir()
     rows = rows_of(tmp_path)
@@ -188,8 +187,58 @@ def test_directory_reads_supported_files_sorted(tmp_path):
     ]
 
 
+@pytest.mark.bad_input(
+    input="A dataset folder with subfolders",
+    outcome="Every data file is read, subfolders included, in sorted path order",
+)
+def test_directory_reads_subfolders_in_sorted_path_order(tmp_path):
+    (tmp_path / "train" / "part2").mkdir(parents=True)
+    (tmp_path / "train" / "part2" / "b.jsonl").write_text('{"n": "deep"}\n')
+    (tmp_path / "train" / "a.jsonl").write_text('{"n": "train"}\n')
+    (tmp_path / "top.jsonl").write_text('{"n": "top"}\n')
+    rows = rows_of(tmp_path)
+    assert [(r.source, r.record["n"]) for r in rows] == [
+        (f"{tmp_path}/top.jsonl", "top"),
+        (f"{tmp_path}/train/a.jsonl", "train"),
+        (f"{tmp_path}/train/part2/b.jsonl", "deep"),
+    ]
+
+
+@pytest.mark.bad_input(
+    input="A dataset folder holding files swiftlm does not read (notes.md, images ...)",
+    outcome="Refused naming each such file (folder-relative) and the supported types",
+)
+def test_directory_refuses_unreadable_files_by_name(tmp_path):
+    (tmp_path / "data.jsonl").write_text('{"n": 1}\n')
+    (tmp_path / "notes.md").write_text("about the data")
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "cat.png").write_bytes(b"png")
+    with pytest.raises(DataError) as info:
+        rows_of(tmp_path)
+    assert str(info.value) == (
+        f"dataset folder {tmp_path} holds files swiftlm does not read: img/cat.png, notes.md; "
+        "supported: .jsonl, .json, .csv, .parquet, .txt. Move them out of the folder, or pass "
+        "the data files themselves to --dataset"
+    )
+
+
+@pytest.mark.bad_input(
+    input="Hidden files, hidden folders (.git) and dataset cards (README, LICENSE) in a "
+    "dataset folder",
+    outcome="Passed over as not data, as the folder reader's docstring states",
+)
+def test_directory_passes_over_hidden_entries_and_dataset_cards(tmp_path):
+    (tmp_path / "data.jsonl").write_text('{"n": 1}\n')
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "config").write_text("[core]")
+    (tmp_path / ".gitattributes").write_text("*.parquet filter=lfs")
+    (tmp_path / "README.md").write_text("# card")
+    (tmp_path / "LICENSE").write_text("Apache-2.0")
+    assert [r.source for r in rows_of(tmp_path)] == [f"{tmp_path}/data.jsonl"]
+
+
 def test_directory_without_data_files(tmp_path):
-    (tmp_path / "notes.md").write_text("x")
+    (tmp_path / "README.md").write_text("x")
     with pytest.raises(DataError) as info:
         rows_of(tmp_path)
     assert "has no data files" in str(info.value)

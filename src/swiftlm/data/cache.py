@@ -25,7 +25,8 @@ from pathlib import Path
 from swiftlm.data.sources import BUILTIN_DATASETS, builtin_dataset_path, parse_dataset_spec
 
 # Bump when the encoding itself or the entry layout changes, so old entries are unused.
-ENCODING_VERSION = 4
+# 5: tool calls render through the template's tools; samples without label tokens are dropped.
+ENCODING_VERSION = 5
 # The stored token length of each sample (batch planning reads it without decoding rows).
 LENGTH_COLUMN = "length"
 

@@ -9,6 +9,13 @@ rewrites earlier turns (e.g. strips past reasoning) is reported, not silently mi
 
 Content given as a list of text parts is flattened to its string first, so it renders exactly
 like the equivalent string, also with templates that only handle string content.
+
+Tool-calling samples render through the template's own tool support (`tools=` and the
+assistant messages' `tool_calls`); the assistant turns holding calls are trained like answers,
+tool results are not. A template that ignores the tools or the calls is refused.
+
+A sample must keep at least one label token that a previous token predicts: one without is
+dropped and counted, whatever dropped its labels, and data without any is an error.
 """
 
 from collections import Counter
@@ -16,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from swiftlm.data.formats import content_images, flatten_text_parts
+from swiftlm.data.parts import content_images, flatten_text_parts
+from swiftlm.data.tools import tool_call_names
 from swiftlm.errors import DataError
 from swiftlm.models.templates import end_of_turn_token
 
@@ -25,17 +33,20 @@ IGNORE_INDEX = -100
 
 @dataclass
 class TruncationReport:
-    """What happened to over-long samples."""
+    """What happened to over-long samples and to samples left without label tokens."""
 
     strategy: str
     max_length: int
-    counts: Counter = field(default_factory=Counter)  # "deleted" / "truncated" / "no labels left"
+    # "deleted", "truncated", "dropped (no label tokens left)", "dropped (no label tokens)"
+    counts: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
         if not self.counts:
             return ""
-        parts = ", ".join(f"{n} {what}" for what, n in sorted(self.counts.items()))
-        return f"samples longer than --max_length {self.max_length} ({self.strategy}): {parts}"
+        return f"--max_length {self.max_length} --truncation_strategy {self.strategy}: {self}"
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {what}" for what, n in sorted(self.counts.items()))
 
 
 def _text_messages(messages: list[dict]) -> list[dict]:
@@ -51,10 +62,50 @@ def _text_messages(messages: list[dict]) -> list[dict]:
     return flat
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str:
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
     )
+
+
+# swiftlm renders with the model's own chat template (no --template flag yet).
+TOOL_TEMPLATE_FIX = (
+    "use a model whose chat template supports tools, e.g. Qwen2.5-Instruct (swiftlm renders "
+    "every row with the model's own chat template)"
+)
+
+
+def check_tools_rendered(tokenizer, messages: list[dict], tools: list | None, text: str) -> None:
+    """Refuse a chat template that drops the tools or the tool calls of a conversation.
+
+    Training on it would teach answers to tools the model never saw, or would leave the calls
+    out of the targets. `text` is the conversation rendered with `tools`. Only the first
+    assistant turn with calls is compared: a template treats them all alike.
+    """
+    if tools and _render(tokenizer, messages, False) == text:
+        raise DataError(
+            "the row has a 'tools' list, but this model's chat template does not render tools "
+            f"(the text is the same with and without them); {TOOL_TEMPLATE_FIX}, or remove "
+            "the 'tools' column"
+        )
+    index = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
+    if index is not None and not _renders_calls(tokenizer, messages[: index + 1], tools):
+        names = ", ".join(repr(name) for name in tool_call_names(messages[index]))
+        raise DataError(
+            f"the assistant turn calling {names} loses its call in this model's chat template "
+            f"(the text is the same with and without it), so the call would not be trained; "
+            f"{TOOL_TEMPLATE_FIX}"
+        )
+
+
+def _renders_calls(tokenizer, messages: list[dict], tools: list | None) -> bool:
+    """Whether the last message's tool calls change the rendered text."""
+    last = {key: value for key, value in messages[-1].items() if key != "tool_calls"}
+    try:
+        without = _render(tokenizer, [*messages[:-1], last], False, tools)
+    except Exception:  # noqa: BLE001 - a template that needs the calls there does render them
+        return True
+    return without != _render(tokenizer, messages, False, tools)
 
 
 def _trim_span_end(text: str, start: int, end: int, end_of_turn: str) -> int:
@@ -66,30 +117,52 @@ def _trim_span_end(text: str, start: int, end: int, end_of_turn: str) -> int:
 
 
 def assistant_char_spans(
-    tokenizer, messages: list[dict], scope: str, end_of_turn: str | None = None
+    tokenizer,
+    messages: list[dict],
+    scope: str,
+    end_of_turn: str | None = None,
+    tools: list | None = None,
 ) -> tuple[str, list]:
     """Render a conversation and return (text, [(start, end) char spans that carry loss])."""
-    messages = _text_messages(messages)
-    text = _render(tokenizer, messages, add_generation_prompt=False)
+    chosen = _turns_chosen_per_message(messages, scope)
+    messages = [{k: v for k, v in m.items() if k != "loss"} for m in _text_messages(messages)]
+    text = _render(tokenizer, messages, False, tools)
+    check_tools_rendered(tokenizer, messages, tools, text)
     if scope == "all":
         return text, [(0, len(text))]
     if end_of_turn is None:
         end_of_turn = end_of_turn_token(tokenizer)
     spans = []
+    last_answer = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        if not chosen.get(k, scope == "assistant" or k == last_answer):
+            continue
+        prompt = _render(tokenizer, messages[:k], True, tools)
+        upto = _render(tokenizer, messages[: k + 1], False, tools)
         if not (upto.startswith(prompt) and text.startswith(upto)):
             raise DataError(
                 "the chat template re-renders earlier turns differently, so assistant spans "
                 "cannot be located; use --loss_scope last_turn or a template without that rewrite"
             )
         spans.append((len(prompt), _trim_span_end(upto, len(prompt), len(upto), end_of_turn)))
-    if scope == "last_turn":
-        spans = spans[-1:]
     return text, spans
+
+
+def _turns_chosen_per_message(messages: list[dict], scope: str) -> dict[int, bool]:
+    """Message index -> trained, for the assistant turns whose row sets `loss` (ms-swift's
+    per-message override of --loss_scope). --loss_scope all trains every token, which a
+    per-turn choice would contradict: that is an error, not a silent pick."""
+    chosen = {k: m["loss"] for k, m in enumerate(messages) if "loss" in m}
+    if chosen and scope == "all":
+        first = min(chosen) + 1
+        raise DataError(
+            f"message {first} sets 'loss', which chooses the assistant turns that train, but "
+            "--loss_scope all trains every token; use --loss_scope assistant (or last_turn), "
+            "or remove the 'loss' keys"
+        )
+    return chosen
 
 
 def _labels(ids: list[int], offsets: list, spans: list[tuple[int, int]]) -> list[int]:
@@ -102,9 +175,11 @@ def _labels(ids: list[int], offsets: list, spans: list[tuple[int, int]]) -> list
     return np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
 
 
-def encode_chat(tokenizer, messages: list[dict], scope: str = "assistant") -> dict:
+def encode_chat(
+    tokenizer, messages: list[dict], scope: str = "assistant", tools: list | None = None
+) -> dict:
     """Token ids and labels (IGNORE_INDEX outside loss spans) for one conversation."""
-    text, spans = assistant_char_spans(tokenizer, messages, scope)
+    text, spans = assistant_char_spans(tokenizer, messages, scope, tools=tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     return {"input_ids": ids, "labels": _labels(ids, encoded["offset_mapping"], spans)}
@@ -118,7 +193,10 @@ def _encode_chat_batch(tokenizer, samples: list[dict], scope: str, end_of_turn: 
     rendered = []
     for sample in samples:
         try:
-            rendered.append(assistant_char_spans(tokenizer, sample["messages"], scope, end_of_turn))
+            spans = assistant_char_spans(
+                tokenizer, sample["messages"], scope, end_of_turn, sample.get("tools")
+            )
+            rendered.append(spans)
         except DataError as exc:
             raise DataError(f"{sample.get('source', 'sample')}: {exc}") from None
     encoded = tokenizer(
@@ -132,19 +210,30 @@ def _encode_chat_batch(tokenizer, samples: list[dict], scope: str, end_of_turn: 
     ]
 
 
+def has_label_tokens(labels: list[int]) -> bool:
+    """Whether some label is predicted from a previous token (the first token never is)."""
+    return any(label != IGNORE_INDEX for label in labels[1:])
+
+
 def truncate(sample: dict, max_length: int, strategy: str, report: TruncationReport) -> dict | None:
-    """Apply --truncation_strategy; None means the sample is dropped."""
+    """Apply --truncation_strategy; None means the sample is dropped.
+
+    Whatever the strategy, a sample left without label tokens is dropped and counted: it
+    would add a step's worth of compute and nothing to learn.
+    """
     ids, labels = sample["input_ids"], sample["labels"]
-    if len(ids) <= max_length:
-        return sample
-    if strategy == "delete":
+    cut = len(ids) > max_length
+    if cut and strategy == "delete":
         report.counts["deleted"] += 1
         return None
-    keep = slice(-max_length, None) if strategy == "left" else slice(0, max_length)
-    ids, labels = ids[keep], labels[keep]
-    if all(label == IGNORE_INDEX for label in labels):
-        report.counts["dropped (no answer tokens left)"] += 1
+    if cut:
+        keep = slice(-max_length, None) if strategy == "left" else slice(0, max_length)
+        ids, labels = ids[keep], labels[keep]
+    if not has_label_tokens(labels):
+        report.counts["dropped (no label tokens left)" if cut else "dropped (no label tokens)"] += 1
         return None
+    if not cut:
+        return sample
     report.counts["truncated"] += 1
     return {"input_ids": ids, "labels": labels}
 
@@ -152,7 +241,8 @@ def truncate(sample: dict, max_length: int, strategy: str, report: TruncationRep
 def encode_chat_samples(
     tokenizer, samples: list[dict], max_length: int, strategy: str, scope: str
 ) -> tuple[list[dict], TruncationReport]:
-    """Encode chat samples; over-long ones follow `strategy` and are counted."""
+    """Encode chat samples; over-long ones follow `strategy` and are counted, and samples
+    without label tokens are dropped and counted. No sample left is a DataError."""
     report = TruncationReport(strategy, max_length)
     end_of_turn = end_of_turn_token(tokenizer)
     encoded = []
@@ -164,16 +254,20 @@ def encode_chat_samples(
                 encoded.append(item)
     if not encoded:
         raise DataError(
-            f"no sample fits --max_length {max_length} with --truncation_strategy {strategy}; "
-            "raise --max_length or use --truncation_strategy left/right"
+            f"no sample has label tokens to train on with --max_length {max_length}, "
+            f"--truncation_strategy {strategy} and --loss_scope {scope} (of {len(samples)} "
+            f"samples: {report}); raise --max_length, use --truncation_strategy left (it keeps "
+            "the end of each conversation, where the last answer is) or --loss_scope all "
+            "(loss on every token, prompts included)"
         )
     return encoded, report
 
 
-def encode_pretraining(tokenizer, texts: list[str], max_length: int) -> list[dict]:
+def encode_pretraining(tokenizer, texts: list[str], max_length: int) -> tuple[list[dict], int]:
     """Concatenate documents with an end-of-text separator and cut into max_length chunks.
 
-    Every token carries loss. The last chunk may be shorter than max_length.
+    Every token carries loss. The last chunk may be shorter than max_length; a chunk of one
+    token has nothing to predict and is dropped. Returns (chunks, number dropped).
     """
     separator = tokenizer.eos_token_id
     if separator is None:
@@ -183,5 +277,10 @@ def encode_pretraining(tokenizer, texts: list[str], max_length: int) -> list[dic
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         stream.append(separator)
     chunks = [stream[i : i + max_length] for i in range(0, len(stream), max_length)]
-    # A 1-token chunk has nothing to predict.
-    return [{"input_ids": c, "labels": list(c)} for c in chunks if len(c) > 1]
+    kept = [{"input_ids": c, "labels": list(c)} for c in chunks if has_label_tokens(c)]
+    if not kept:
+        raise DataError(
+            f"no pre-training chunk has a token to predict with --max_length {max_length}; "
+            "raise --max_length to 2 or more"
+        )
+    return kept, len(chunks) - len(kept)

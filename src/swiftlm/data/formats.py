@@ -1,40 +1,38 @@
 """Detect a row's dataset format and normalize it to canonical chat messages or plain text.
 
 Canonical messages are `[{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]`
-where content is a string, or a list of canonical content parts when the row gave a list:
-`{"type": "text", "text": str}` and `{"type": "image", "image": str}` (a path or URL). Rows
-may write parts OpenAI-style (`{"type": "image_url", "image_url": {"url": ...}}`, or
-`"image_url": "..."`) or ms-swift-style (`{"type": "image", "image": ...}`).
+where content is a string, or a list of canonical content parts when the row gave a list
+(see `data.parts`). An assistant message may carry `tool_calls` and a tool message a
+`tool_call_id` (see `data.tools`); other per-message keys (e.g. `name`, `loss`) are dropped.
 Accepted row formats, tried in this order:
 
-- messages: `{"messages": [{"role": ..., "content": ...}, ...]}` (OpenAI / ms-swift style)
+- messages: `{"messages": [{"role": ..., "content": ...}, ...], "system"?: ...}` (OpenAI /
+  ms-swift style, tool calls and ms-swift's `tool_call`/`tool_response` roles included)
 - ShareGPT: `{"conversations": [{"from": "human", "value": ...}, ...], "system"?: ...}`
 - Alpaca: `{"instruction": ..., "input"?: ..., "output": ..., "system"?: ..., "history"?: ...}`
 - query/response: `{"query": ..., "response": ..., "history"?: [[q, r], ...], "system"?: ...}`
 
-A field whose value is None counts as absent (parquet and hub datasets fill missing
-columns with None). Problems raise `RowError`, whose `kind` is a short category for counting.
+Any of them may add a `tools` list. A field whose value is None counts as absent (parquet
+and hub datasets fill missing columns with None). Problems raise `RowError`, whose `kind` is
+a short category for counting.
 
-`chat_sample` and `text_sample` are the row schemas training methods build on.
+`chat_sample` and `text_sample` are the row schemas training methods build on; they refuse
+columns that only another method could use (`data.columns`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-ROW_ERROR_KINDS = (
-    "invalid JSON",
-    "invalid CSV",
-    "not an object",
-    "no recognizable format",
-    "unknown role",
-    "empty content",
-    "empty assistant answer",
-    "wrong role order",
-    "no answer",
-    "empty text",
-    "bad field type",
-    "bad content part",
+from swiftlm.data.columns import TOOLS_FOR_SFT, refuse_media_parts, refuse_other_method_columns
+from swiftlm.data.parts import content_images, content_text, parse_part
+from swiftlm.data.rows import RowError, message_loss, type_name
+from swiftlm.data.tools import (
+    CALL_ROLES,
+    calls_from_content,
+    merge_tool_calls,
+    parse_tool_calls,
+    parse_tools,
 )
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -63,17 +61,18 @@ SHAREGPT_ROLES = {
 
 SHAREGPT_ROLE_NAMES = "human, gpt, system, tool, function or observation"
 
-PART_TYPES = "'text', 'image_url' or 'image'"
-PART_EXAMPLES = {
-    "text": '{"type": "text", "text": "..."}',
-    "image_url": '{"type": "image_url", "image_url": {"url": "cat.png"}}',
-    "image": '{"type": "image", "image": "cat.png"}',
-}
-
 ACCEPTED_FORMATS = (
     "'messages' (role/content list), 'conversations' (ShareGPT), "
     "'instruction' + 'output' (Alpaca), 'query' + 'response'"
 )
+
+# The columns each chat format reads (loading reports a row's other columns as not used).
+FORMAT_COLUMNS = {
+    "messages": ("messages", "system", "tools"),
+    "conversations": ("conversations", "system", "tools"),
+    "alpaca": ("instruction", "input", "output", "system", "history", "tools"),
+    "query": ("query", "response", "history", "system", "tools"),
+}
 
 # Which roles may follow a given role; None is the start of the conversation.
 ALLOWED_NEXT = {
@@ -85,36 +84,33 @@ ALLOWED_NEXT = {
 }
 
 
-class RowError(ValueError):
-    """One dataset row that cannot be used; `kind` is one of ROW_ERROR_KINDS."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
 def chat_sample(
     record: dict,
     *,
     require_answer: bool = True,
     system: str | None = None,
     placeholders: dict[str, str] | None = None,
+    method: str = "sft",
 ) -> dict:
-    """The chat row schema: one row -> `{"messages": [...]}`, validated (raises RowError).
+    """The chat row schema: one row -> `{"messages": [...], "tools"?: [...]}`, validated.
 
     `system` is inserted first in a conversation without a system message; each
     `placeholders` key (e.g. "{{NAME}}") is replaced by its value in all text content,
     text parts included. Both apply after validation, so a placeholder that empties a
-    message does not make the row invalid.
+    message does not make the row invalid. Columns for other methods are refused with a
+    RowError that names `method`, the command reading the row. Image parts are kept: a
+    text-only method refuses them with columns.refuse_media_parts.
     """
+    refuse_other_method_columns(record, method)
     messages = to_messages(record, require_answer=require_answer)
+    tools = parse_tools(record.get("tools"))
     if system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
     if placeholders:
         messages = [
             {**message, "content": _fill(message["content"], placeholders)} for message in messages
         ]
-    return {"messages": messages}
+    return {"messages": messages, "tools": tools} if tools else {"messages": messages}
 
 
 def text_sample(record: dict) -> dict:
@@ -122,54 +118,38 @@ def text_sample(record: dict) -> dict:
 
     Placeholders are not applied: code corpora may contain "{{...}}" as written.
     """
+    refuse_other_method_columns(record, "pt", also={"tools": TOOLS_FOR_SFT})
     return {"text": to_text(record)}
 
 
-def content_text(content: str | list[dict]) -> str:
-    """The text of canonical content: a string as is, text parts joined with no separator
-    (what chat templates that iterate over parts render)."""
-    if isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content if part["type"] == "text")
-
-
-def content_images(content: str | list[dict]) -> list[str]:
-    """The image references (paths or URLs) of canonical content, in order."""
-    if isinstance(content, str):
-        return []
-    return [part["image"] for part in content if part["type"] == "image"]
-
-
-def flatten_text_parts(messages: list[dict]) -> list[dict]:
-    """Copy of canonical messages with every text-only part list replaced by its string.
-
-    Templates written for string content then render such a message exactly like the
-    equivalent string; contents with images keep their parts.
-    """
-    return [
-        message
-        if isinstance(message["content"], str) or content_images(message["content"])
-        else {**message, "content": content_text(message["content"])}
-        for message in messages
-    ]
+def columns_read(record: dict, sample: dict) -> set[str] | None:
+    """The columns of `record` that `sample` (from chat_sample or text_sample) was made of;
+    None for a sample of another schema, whose columns only its method knows."""
+    if "text" in sample and record.get("text") is not None:
+        return {"text"}
+    chat_format = _chat_format(record, require_answer=False)
+    if chat_format and ("messages" in sample or "text" in sample):
+        return set(FORMAT_COLUMNS[chat_format])
+    return None
 
 
 def to_messages(record: dict, *, require_answer: bool = True) -> list[dict]:
     """Normalize one row of any accepted chat format to checked canonical messages.
 
-    Extra per-message keys (e.g. `name`, `loss`) are dropped. Raises RowError.
+    ms-swift's one-message-per-call `tool_call` messages are merged into the assistant turn
+    before them (see tools.merge_tool_calls). Raises RowError.
     """
     messages = _convert(record, require_answer)
     check_conversation(messages, require_answer=require_answer)
-    return messages
+    return merge_tool_calls(messages)
 
 
 def to_text(record: dict) -> str:
     """Return the pre-training text of one row.
 
     Uses the `text` field; a row without one but in a chat format is accepted too, its
-    message texts joined with blank lines ("\\n\\n"), in order and without role names
-    (images are left out).
+    message texts joined with blank lines ("\\n\\n"), in order and without role names.
+    Images and tool calls are not text: a chat row holding them is refused.
     """
     text = record.get("text")
     if text is None:
@@ -180,13 +160,26 @@ def to_text(record: dict) -> str:
                 f"no recognizable format: found keys {keys}; expected 'text' or a chat "
                 f"format: {ACCEPTED_FORMATS}",
             )
-        texts = (content_text(message["content"]) for message in _convert(record))
+        messages = _convert(record)
+        refuse_media_parts(messages, "pt")
+        _refuse_tool_calls(messages)
+        texts = (content_text(message["content"]) for message in messages)
         text = "\n\n".join(part for part in texts if part.strip())
     if not isinstance(text, str):
-        raise RowError("bad field type", f"'text' must be a string, got {_type(text)}")
+        raise RowError("bad field type", f"'text' must be a string, got {type_name(text)}")
     if not text.strip():
         raise RowError("empty text", "empty text")
     return text
+
+
+def _refuse_tool_calls(messages: list[dict]) -> None:
+    for index, message in enumerate(messages, start=1):
+        if message.get("tool_calls"):
+            raise RowError(
+                "tool calls",
+                f"message {index} is a tool call; pt trains on plain text: train tool calls "
+                "with swiftlm sft, or give the row a 'text' column",
+            )
 
 
 def check_conversation(messages: list[dict], require_answer: bool = True) -> None:
@@ -203,8 +196,12 @@ def check_conversation(messages: list[dict], require_answer: bool = True) -> Non
                 "unknown role",
                 f"unknown role {role!r} in message {index}; expected {MESSAGE_ROLES}",
             )
-        _check_order(previous, role, index)
-        _check_content(role, content, index)
+        calls_only = bool(message.get("tool_calls")) and not content_text(content).strip()
+        # ms-swift writes each call as its own message after the assistant's text.
+        if not (previous == role == "assistant" and calls_only):
+            _check_order(previous, role, index)
+        if not calls_only:
+            _check_content(role, content, index)
         previous = role
     if previous in (None, "system"):
         raise RowError("empty content", "empty content: the conversation has no user message")
@@ -244,37 +241,47 @@ def _check_content(role: str, content: str | list[dict], index: int) -> None:
     raise RowError("empty content", f"empty content in {role} message {index}")
 
 
-def _convert(record: dict, require_answer: bool = True) -> list[dict]:
-    """Detect the row's format and convert it to (unchecked) canonical messages.
+def _chat_format(record: dict, require_answer: bool = True) -> str | None:
+    """The chat format of a row (a FORMAT_COLUMNS key), None when it has none.
 
     Inference prompts (`require_answer=False`) may omit the answer field (`output` or
-    `response`); the conversation then ends with the user turn.
+    `response`).
     """
     if record.get("messages") is not None:
-        return _from_role_list(record["messages"], "messages", "role", "content")
+        return "messages"
     if record.get("conversations") is not None:
-        return _with_system(record, _from_sharegpt(record["conversations"]))
+        return "conversations"
     if _present(record, "instruction") and (_present(record, "output") or not require_answer):
+        return "alpaca"
+    if _present(record, "query") and (_present(record, "response") or not require_answer):
+        return "query"
+    return None
+
+
+def _has_chat_format(record: dict) -> bool:
+    return _chat_format(record) is not None
+
+
+def _convert(record: dict, require_answer: bool = True) -> list[dict]:
+    """Convert a row of any chat format to (unchecked) canonical messages; an inference
+    prompt without an answer ends with the user turn."""
+    chat_format = _chat_format(record, require_answer)
+    if chat_format == "messages":
+        return _with_system(record, _from_role_list(record["messages"], "messages"))
+    if chat_format == "conversations":
+        return _with_system(record, _from_sharegpt(record["conversations"]))
+    if chat_format == "alpaca":
         prompt = _string(record, "instruction")
         extra = _string(record, "input", required=False)
         if extra.strip():
             prompt = f"{prompt}\n{extra}"
         return _with_system(record, _history(record) + _turn(prompt, _answer(record, "output")))
-    if _present(record, "query") and (_present(record, "response") or not require_answer):
+    if chat_format == "query":
         turn = _turn(_string(record, "query"), _answer(record, "response"))
         return _with_system(record, _history(record) + turn)
     raise RowError(
         "no recognizable format",
         f"no recognizable format: found keys {sorted(record)}; expected {ACCEPTED_FORMATS}",
-    )
-
-
-def _has_chat_format(record: dict) -> bool:
-    return (
-        record.get("messages") is not None
-        or record.get("conversations") is not None
-        or _present(record, "instruction", "output")
-        or _present(record, "query", "response")
     )
 
 
@@ -285,7 +292,9 @@ def _from_sharegpt(turns: Any) -> list[dict]:
     return _from_role_list(turns, "conversations", "from", "value")
 
 
-def _from_role_list(turns: Any, field: str, role_key: str, content_key: str) -> list[dict]:
+def _from_role_list(
+    turns: Any, field: str, role_key: str = "role", content_key: str = "content"
+) -> list[dict]:
     """Convert a list of {role_key, content_key} turns, mapping role names of that format."""
     aliases, expected = (
         (MESSAGE_ROLE_ALIASES, MESSAGE_ROLES)
@@ -293,7 +302,7 @@ def _from_role_list(turns: Any, field: str, role_key: str, content_key: str) -> 
         else (SHAREGPT_ROLES, SHAREGPT_ROLE_NAMES)
     )
     if not isinstance(turns, list):
-        raise RowError("bad field type", f"{field!r} must be a list, got {_type(turns)}")
+        raise RowError("bad field type", f"{field!r} must be a list, got {type_name(turns)}")
     messages = []
     for index, turn in enumerate(turns, start=1):
         role, content = _message_fields(turn, index, role_key, content_key)
@@ -301,8 +310,32 @@ def _from_role_list(turns: Any, field: str, role_key: str, content_key: str) -> 
             raise RowError(
                 "unknown role", f"unknown role {role!r} in message {index}; expected {expected}"
             )
-        messages.append({"role": aliases[role], "content": content})
+        messages.append(_message(turn, role, aliases[role], content, index))
     return messages
+
+
+def _message(turn: dict, role: str, canonical: str, content: Any, index: int) -> dict:
+    """One canonical message, with its tool calls (OpenAI `tool_calls`, or a call role whose
+    content is the call) and a tool result's `tool_call_id`."""
+    where = f"message {index} ({role})"
+    if role in CALL_ROLES:
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": calls_from_content(content, where),
+        }
+    message = {"role": canonical, "content": content}
+    if turn.get("tool_calls"):  # exports write an empty list on messages without calls
+        if canonical != "assistant":
+            raise RowError(
+                "bad tool call", f"{where} has 'tool_calls'; only assistant messages call tools"
+            )
+        message["tool_calls"] = parse_tool_calls(turn["tool_calls"], where)
+    if canonical == "tool" and isinstance(turn.get("tool_call_id"), str):
+        message["tool_call_id"] = turn["tool_call_id"]
+    if turn.get("loss") is not None:
+        message["loss"] = message_loss(turn["loss"], canonical, where)
+    return message
 
 
 def _message_fields(
@@ -311,65 +344,30 @@ def _message_fields(
     if not isinstance(turn, dict):
         raise RowError(
             "bad field type",
-            f"message {index} is {_type(turn)}; expected an object with "
+            f"message {index} is {type_name(turn)}; expected an object with "
             f"{role_key!r} and {content_key!r}",
         )
     role, content = turn.get(role_key), turn.get(content_key)
     if not isinstance(role, str):
         raise RowError(
-            "bad field type", f"message {index} has no string {role_key!r} (got {_type(role)})"
+            "bad field type", f"message {index} has no string {role_key!r} (got {type_name(role)})"
         )
     where = f"message {index} ({role})"
+    if role in CALL_ROLES:  # the call itself, read by tools.calls_from_content
+        return role, content
     if isinstance(content, list):
-        return role, [_part(part, f"{where} content part {n}") for n, part in enumerate(content, 1)]
+        parts = enumerate(content, start=1)
+        return role, [parse_part(part, f"{where} content part {n}") for n, part in parts]
+    if content is None and turn.get("tool_calls"):
+        return role, ""  # OpenAI writes null content beside the calls
     if not isinstance(content, str):
         # A null is most often a missing answer: name the plain fix first.
         expected = "a string" if content is None else "a string or a list of content parts"
         raise RowError(
-            "bad field type", f"{where} {content_key!r} must be {expected}, got {_type(content)}"
+            "bad field type",
+            f"{where} {content_key!r} must be {expected}, got {type_name(content)}",
         )
     return role, content
-
-
-def _part(part: Any, where: str) -> dict:
-    """One content part -> its canonical form; raise RowError naming the part and the fix."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text":
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise RowError(
-                "bad content part",
-                f"{where} has no string 'text' (got {_type(text)}); write {PART_EXAMPLES['text']}",
-            )
-        return {"type": "text", "text": text}
-    if kind in ("image_url", "image"):
-        return {"type": "image", "image": _image_reference(part, kind, where)}
-    if not isinstance(part, dict):
-        problem = f"is {_type(part)}"
-    elif kind is None:
-        problem = "has no 'type'"
-    else:
-        problem = f"has unknown type {kind!r}"
-    raise RowError(
-        "bad content part",
-        f"{where} {problem}; expected an object of type {PART_TYPES}, e.g. {PART_EXAMPLES['text']}",
-    )
-
-
-def _image_reference(part: dict, kind: str, where: str) -> str:
-    value, field = part.get(kind), repr(kind)
-    if kind == "image_url" and isinstance(value, dict):
-        value, field = value.get("url"), "'image_url.url'"
-    if not isinstance(value, str):
-        raise RowError(
-            "bad content part",
-            f"{where} needs a string {field} (got {_type(value)}); write {PART_EXAMPLES[kind]}",
-        )
-    if not value.strip():
-        raise RowError(
-            "bad content part", f"{where} has an empty {field}; give an image path or URL"
-        )
-    return value
 
 
 def _history(record: dict) -> list[dict]:
@@ -379,7 +377,7 @@ def _history(record: dict) -> list[dict]:
     if not isinstance(history, list):
         raise RowError(
             "bad field type",
-            f"'history' must be a list of [query, response] pairs, got {_type(history)}",
+            f"'history' must be a list of [query, response] pairs, got {type_name(history)}",
         )
     messages = []
     for index, pair in enumerate(history, start=1):
@@ -397,6 +395,11 @@ def _with_system(record: dict, messages: list[dict]) -> list[dict]:
     system = _string(record, "system", required=False)
     if not system.strip():
         return messages
+    if messages and messages[0]["role"] == "system":
+        raise RowError(
+            "conflicting system",
+            "the row has both a 'system' column and a system message (message 1); keep one",
+        )
     return [{"role": "system", "content": system}, *messages]
 
 
@@ -415,7 +418,7 @@ def _string(record: dict, key: str, required: bool = True) -> str:
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        raise RowError("bad field type", f"{key!r} must be a string, got {_type(value)}")
+        raise RowError("bad field type", f"{key!r} must be a string, got {type_name(value)}")
     return value
 
 
@@ -433,7 +436,3 @@ def _fill(content: str | list[dict], placeholders: dict[str, str]) -> str | list
 
 def _present(record: dict, *keys: str) -> bool:
     return all(record.get(key) is not None for key in keys)
-
-
-def _type(value: Any) -> str:
-    return "null" if value is None else type(value).__name__

@@ -2,7 +2,8 @@
 
 Every row of every dataset is read and validated before anything is returned, so a bad
 row stops the run before the first training step, with all bad rows listed as
-`file:line: reason`.
+`file:line: reason`. Columns that the row schema did not read (`id`, `source` ...) are
+counted and reported once by LoadReport.notices, never dropped without a word.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from swiftlm.data.formats import RowError
+from swiftlm.data.columns import given
+from swiftlm.data.formats import RowError, columns_read
 from swiftlm.data.sources import NOT_AN_OBJECT, RawRow, parse_dataset_spec, read_rows
 from swiftlm.errors import DataError
 
@@ -35,13 +37,15 @@ class LoadReport:
 
     `rows_read` counts rows per source file (hub id for hub datasets); `samples` counts the
     samples each spec contributed after `#N` sampling; `skipped` counts dropped rows by
-    RowError kind.
+    RowError kind; `unused_columns` counts, per column, the valid rows that filled a column the
+    row schema did not read.
     """
 
     rows_read: Counter[str] = field(default_factory=Counter)
     samples: dict[str, int] = field(default_factory=dict)
     skipped: Counter[str] = field(default_factory=Counter)
     bad_rows: list[BadRow] = field(default_factory=list)
+    unused_columns: Counter[str] = field(default_factory=Counter)
 
     @property
     def total_rows(self) -> int:
@@ -55,6 +59,19 @@ class LoadReport:
         ranked = sorted(self.skipped.items(), key=lambda item: (-item[1], item[0]))
         counts = ", ".join(f"{count} {kind}" for kind, count in ranked)
         return f"skipped {total} bad row{'s' if total != 1 else ''}: {counts}"
+
+    def notices(self, method: str) -> list[str]:
+        """Lines for the data log about what was read but not used, e.g.
+        "data: columns not used by sft: id (120 rows), source (120 rows)"; empty if none."""
+        if not self.unused_columns:
+            return []
+        ranked = sorted(self.unused_columns.items(), key=lambda item: (-item[1], item[0]))
+        columns = ", ".join(f"{name} ({_rows(count)})" for name, count in ranked)
+        return [f"data: columns not used by {method}: {columns}"]
+
+
+def _rows(count: int) -> str:
+    return f"{count} row{'s' if count != 1 else ''}"
 
 
 class DataValidationError(DataError):
@@ -115,10 +132,23 @@ def _validate(spec: str, to_sample: Callable[[dict], dict], report: LoadReport) 
     for row in read_rows(path):
         report.rows_read[row.source] += 1
         try:
-            valid.append({**to_sample(_record(row)), "source": f"{row.source}:{row.line}"})
+            record = _record(row)
+            sample = to_sample(record)
         except RowError as e:
             report.bad_rows.append(BadRow(row.source, row.line, str(e), e.kind))
+            continue
+        report.unused_columns.update(_unused_columns(record, sample))
+        valid.append({**sample, "source": f"{row.source}:{row.line}"})
     return valid
+
+
+def _unused_columns(record: dict, sample: dict) -> list[str]:
+    """The filled columns of `record` that its sample was not made of (none when the sample
+    is of a schema whose columns only its method knows)."""
+    read = columns_read(record, sample)
+    if read is None:
+        return []
+    return [column for column, value in record.items() if column not in read and given(value)]
 
 
 def _record(row: RawRow) -> dict:

@@ -90,21 +90,47 @@ def _looks_like_local_path(path: str) -> bool:
 
 
 def _read_directory(path: str) -> Iterator[RawRow]:
+    """The rows of every data file under a folder, subfolders included, in sorted path order.
+
+    Hidden entries (a name starting with '.', e.g. `.git`, `.gitattributes`) and dataset cards
+    (README and LICENSE files, as in a cloned hub dataset) are not data and are passed over.
+    Any other file swiftlm cannot read is refused by name, so no file is skipped silently.
+    """
     folder = Path(os.path.expanduser(path))
-    names = sorted(
-        entry.name
-        for entry in folder.iterdir()
-        if entry.is_file()
-        and entry.name.lower().endswith(SUPPORTED_EXTENSIONS)
-        and not entry.name.startswith(".")
-    )
-    if not names:
+    files = sorted(_folder_files(folder), key=lambda file: file.relative_to(folder).parts)
+    unreadable = [f for f in files if not f.name.lower().endswith(SUPPORTED_EXTENSIONS)]
+    if unreadable:
+        names = ", ".join(f.relative_to(folder).as_posix() for f in unreadable[:10])
+        more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
+        raise DataError(
+            f"dataset folder {path} holds files swiftlm does not read: {names}{more}; "
+            f"supported: {', '.join(SUPPORTED_EXTENSIONS)}. Move them out of the folder, or "
+            "pass the data files themselves to --dataset"
+        )
+    if not files:
         raise DataError(
             f"dataset folder {path} has no data files; expected files ending in "
             f"{', '.join(SUPPORTED_EXTENSIONS)}"
         )
-    for name in names:
-        yield from _read_file(folder / name, source=os.path.join(path, name))
+    for file in files:
+        yield from _read_file(file, source=os.path.join(path, *file.relative_to(folder).parts))
+
+
+# File stems of dataset cards: a hub dataset's README.md, LICENSE, LICENSE.txt ...
+DATASET_CARDS = ("readme", "license", "licence")
+
+
+def _folder_files(folder: Path, seen: frozenset = frozenset()) -> Iterator[Path]:
+    """Every file under `folder`, hidden entries and dataset cards excepted."""
+    seen = seen | {folder.resolve()}  # a symlink back up the tree is not followed twice
+    for entry in folder.iterdir():
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            if entry.resolve() not in seen:
+                yield from _folder_files(entry, seen)
+        elif entry.is_file() and entry.stem.lower() not in DATASET_CARDS:
+            yield entry
 
 
 def _read_file(path: Path, source: str) -> Iterator[RawRow]:

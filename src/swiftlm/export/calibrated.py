@@ -148,7 +148,7 @@ def calibration_samples(cfg: ExportConfig, tokenizer) -> tuple[list[dict], str]:
     d = cfg.data
     specs = d.dataset or BUILTIN_CALIBRATION_DATASETS
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
-    to_sample = partial(chat_sample, system=d.system, placeholders=placeholders)
+    to_sample = partial(chat_sample, system=d.system, placeholders=placeholders, method="export")
     samples, report = load_samples(
         specs, to_sample, skip_bad_rows=d.skip_bad_rows, seed=d.data_seed
     )

@@ -13,7 +13,8 @@ from functools import partial
 from pathlib import Path
 
 from swiftlm.config import InferConfig
-from swiftlm.data.formats import chat_sample
+from swiftlm.data.columns import refuse_media_parts
+from swiftlm.data.formats import RowError, chat_sample
 from swiftlm.data.loading import load_samples
 from swiftlm.errors import ConfigError
 from swiftlm.infer.engine import InferEngine
@@ -46,15 +47,32 @@ def run_batch(engine: InferEngine, cfg: InferConfig, spec: InferenceModel) -> li
 def load_prompts(cfg: InferConfig, system: str | None) -> list[dict]:
     """The `--val_dataset` conversations; they may end with a user message (no answer)."""
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
+    options = dict(require_answer=False, system=system, placeholders=placeholders, method="infer")
     samples, report = load_samples(
         cfg.data.val_dataset,
-        partial(chat_sample, require_answer=False, system=system, placeholders=placeholders),
+        partial(prompt_sample, **options),
         skip_bad_rows=cfg.data.skip_bad_rows,
         seed=cfg.data.data_seed,
     )
     if report.skipped:
         print(f"--val_dataset: {report.summary()}", flush=True)
+    for line in report.notices("infer"):
+        print(f"--val_dataset: {line}", flush=True)
     return samples
+
+
+def prompt_sample(record: dict, **options) -> dict:
+    """A chat sample to answer. Images, tools and tool calls are refused: the engine renders
+    text-only prompts without tools, and would answer as if they did not exist."""
+    sample = chat_sample(record, **options)
+    refuse_media_parts(sample["messages"], "infer")
+    if "tools" in sample or any(m.get("tool_calls") for m in sample["messages"]):
+        raise RowError(
+            "tool calls",
+            "the row has tools or tool calls, which swiftlm infer does not pass to the chat "
+            "template yet: remove the 'tools' column and the tool-call turns",
+        )
+    return sample
 
 
 def split_reference(messages: list[dict]) -> tuple[list[dict], str | None]:

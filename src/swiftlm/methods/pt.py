@@ -1,7 +1,8 @@
 """`swiftlm pt`: continued pre-training on plain text, with loss on every token.
 
 Documents are joined with the EOS token and cut into --max_length chunks; the loss is the
-mean next-token cross-entropy over all of them.
+mean next-token cross-entropy over all of them. A last chunk of one token has nothing to
+predict: it is dropped, and the log says so.
 """
 
 from swiftlm.config import TrainConfig
@@ -24,7 +25,10 @@ class PT(NextTokenObjective):
 
     def encode(self, samples: list[dict]) -> EncodeResult:
         texts = [s["text"] for s in samples]
-        return EncodeResult(encode_pretraining(self.tokenizer, texts, self.max_length))
+        chunks, dropped = encode_pretraining(self.tokenizer, texts, self.max_length)
+        # Only the last chunk can be one token long: dropped <= 1.
+        note = "pt: dropped the last chunk, a single token (nothing to predict)"
+        return EncodeResult(chunks, [note] if dropped else [])
 
     def cache_options(self) -> dict:
         return {"method": self.name, "max_length": self.max_length}

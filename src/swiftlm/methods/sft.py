@@ -1,12 +1,14 @@
 """`swiftlm sft`: supervised fine-tuning on conversations, with loss on the assistant turns.
 
-Rows are conversations in any format `data.formats` reads (messages, sharegpt, alpaca, ...);
-the loss is the mean next-token cross-entropy over the label tokens chosen by --loss_scope.
+Rows are conversations in any format `data.formats` reads (messages, sharegpt, alpaca, ...),
+tool-calling rows included (rendered with the chat template's tools, the calls trained); the
+loss is the mean next-token cross-entropy over the label tokens chosen by --loss_scope.
 """
 
 from swiftlm.config import TrainConfig
+from swiftlm.data.columns import refuse_media_parts
 from swiftlm.data.encode import encode_chat_samples
-from swiftlm.data.formats import RowError, chat_sample, content_images
+from swiftlm.data.formats import chat_sample
 from swiftlm.methods.base import EncodeResult
 from swiftlm.methods.token import NextTokenObjective
 
@@ -23,13 +25,10 @@ class SFT(NextTokenObjective):
         self.placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
 
     def to_sample(self, record: dict) -> dict:
+        """A conversation, with its tools if the row has some; images and columns for other
+        methods are refused (see formats.chat_sample)."""
         sample = chat_sample(record, system=self.data.system, placeholders=self.placeholders)
-        if any(content_images(m["content"]) for m in sample["messages"]):
-            raise RowError(
-                "image content",
-                "has image parts: `swiftlm sft` trains text-only models; drop the images or "
-                "use a vision-language model once multimodal training is available",
-            )
+        refuse_media_parts(sample["messages"], self.name)
         return sample
 
     def encode(self, samples: list[dict]) -> EncodeResult:

@@ -7,6 +7,7 @@ take a fraction of a second instead of many seconds.
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -71,10 +72,69 @@ def resolve_model(model: str | None) -> ResolvedModel:
             raise ModelLoadError(
                 f"--model {model}: folder has no config.json; expected a Hugging Face model folder"
             )
+        check_text_model(path, f"--model {model}")
         return ResolvedModel(str(path.resolve()), model, path.resolve().name)
     if path.exists() or model.startswith((".", "/", "~")):
         raise ModelLoadError(f"--model {model}: not a model folder or .gguf file")
     return ResolvedModel(model, model, model.rstrip("/").split("/")[-1])
+
+
+MULTIMODAL_PLANNED = (
+    "swiftlm loads text-only causal language models for now; multimodal support is planned. "
+    "Use a text-only model, e.g. Qwen2.5-0.5B-Instruct"
+)
+
+
+def check_text_model(folder: Path, name: str) -> None:
+    """Refuse a model folder that is not a text-only causal LM, reading only its config.json.
+
+    transformers would fail later, after the tokenizer and data, with a wall of class names.
+    Model types that AutoModelForCausalLM loads pass (some, like Gemma 3, also take images),
+    and so do configs with custom code or a type this transformers does not know: loading
+    reports those. `name` is how messages refer to the folder, e.g. "--model path".
+    """
+    config = _read_config(folder / "config.json")
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    if not isinstance(model_type, str) or "auto_map" in config:
+        return
+    # The common case decides without importing transformers' model tables (seconds).
+    if architectures and all(str(a).endswith("ForCausalLM") for a in architectures):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+    )
+
+    if model_type not in CONFIG_MAPPING_NAMES or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    classes = f" ({', '.join(map(str, architectures))})" if architectures else ""
+    multimodal = (
+        model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        or model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+        or any(key in config for key in ("vision_config", "audio_config"))
+    )
+    if multimodal:
+        raise ModelLoadError(
+            f"{name}: model type {model_type!r}{classes} is a multimodal model (it reads "
+            f"images, video or audio); {MULTIMODAL_PLANNED}"
+        )
+    raise ModelLoadError(
+        f"{name}: model type {model_type!r}{classes} is not a causal language model "
+        "(transformers has no AutoModelForCausalLM class for it); swiftlm trains and serves "
+        "decoder-only LMs such as Llama, Qwen2 or SmolLM2"
+    )
+
+
+def _read_config(path: Path) -> dict:
+    """config.json as a dict; {} when unreadable (loading reports that with its own words)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -195,6 +255,8 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    if Path(path).is_dir():  # also for commands that do not resolve --model (infer, export)
+        check_text_model(Path(path), path)
     placement = {}
     if quantization is not None:
         # Quantizers convert each weight on the device it loads to (bitsandbytes: the current

@@ -22,9 +22,15 @@ def load_splits(cfg: TrainConfig, method: Method, log) -> tuple[list[dict], list
     train, report = load_samples(d.dataset, method.to_sample, **options)
     if report.skipped:
         log(report.summary())
+    for line in report.notices(method.name):
+        log(line)
     if not d.val_dataset:
         return split_samples(train, d.split_dataset_ratio, d.data_seed)
-    val, _ = load_samples(d.val_dataset, method.to_sample, **options)
+    val, val_report = load_samples(d.val_dataset, method.to_sample, **options)
+    if val_report.skipped:
+        log(f"--val_dataset: {val_report.summary()}")
+    for line in val_report.notices(method.name):
+        log(f"--val_dataset: {line}")
     return train, val
 
 
