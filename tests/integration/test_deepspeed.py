@@ -54,3 +54,38 @@ def test_zero_matches_single_process(
     assert (step / "COMPLETE").is_file() and (step / "deepspeed").is_dir()
     # the checkpoint also holds a consolidated model/adapter, loadable as is
     assert max_weight_difference(single / "final" / weights, step / weights) < 1e-5
+
+
+@pytest.mark.bad_input(
+    input="`--deepspeed zero2` in one process (no `--nproc_per_node`)",
+    outcome="Trains like one process without DeepSpeed and resumes: a one-rank process group "
+    "is set up first (before, a DeepSpeed traceback: No module named 'mpi4py')",
+)
+def test_zero2_in_one_process_matches_plain_training_and_resumes(
+    tiny_model_dir, chat_jsonl, tmp_path
+):
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    single, zero, resumed = tmp_path / "single", tmp_path / "zero2", tmp_path / "resumed"
+    run = dict(train_type="lora", learning_rate="1e-2", per_device_train_batch_size=4)
+    run |= {**STEPS, "save_steps": 2}
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **run)) == 0
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, zero, **run, deepspeed="zero2")) == 0
+    assert logged(zero) == pytest.approx(logged(single), abs=1e-5)
+    adapter = "final/adapter_model.safetensors"
+    assert max_weight_difference(single / adapter, zero / adapter) < 1e-5
+    # The one-rank group is gone and LOCAL_RANK unset again: the next run in this process
+    # (here, the resume) must not look like a torchrun worker.
+    assert not dist.is_initialized() and "LOCAL_RANK" not in os.environ
+
+    # Resume from step 2, as if the run had stopped after saving it.
+    shutil.copytree(zero, resumed)
+    shutil.rmtree(resumed / "final")
+    for later in ("step-4", "step-5"):
+        shutil.rmtree(resumed / "checkpoints" / later, ignore_errors=True)
+    again = tiny_sft(tiny_model_dir, chat_jsonl, resumed, **run, deepspeed="zero2")
+    assert main([*again, "--resume_from_checkpoint", "auto"]) == 0
+    assert max_weight_difference(zero / adapter, resumed / adapter) < 1e-6

@@ -126,6 +126,8 @@ def test_a_killed_rank_restarts_and_resumes_to_the_same_weights(
     code, output = killed.wait()
     assert code == 0, output[-3000:]
     assert "resumed from" in output and "step-2 at step 2" in output, output[-3000:]
+    restart = "local rank 1 failed (killed by SIGKILL, exit code 137); restarting the workers"
+    assert restart in output and "Sending process" not in output, output[-3000:]
     expected, got = adapter(reference.run_dir), adapter(killed.run_dir)
     assert expected.keys() == got.keys()
     # Tolerance 1e-6: the resumed run replays steps 3-5 from the same weights, optimizer
@@ -142,7 +144,6 @@ def test_a_hung_rank_stops_every_rank_after_the_heartbeat_timeout(
     # Micro-batch 5 is the first of step 3; rank 0 goes on and waits in the gradient all-reduce.
     hung = Launch(tmp_path, "hung", 29553, *data, *timeout, fault="hang:5")
     code, output = hung.wait()
-    assert code != 0, output[-3000:]
     hang_at = float(re.search(r"fault: rank 1 hangs at ([\d.]+)", output).group(1))
     stopped_after = hung.ended - hang_at
     assert stopped_after < HEARTBEAT_TIMEOUT + 30, output[-3000:]
@@ -150,7 +151,10 @@ def test_a_hung_rank_stops_every_rank_after_the_heartbeat_timeout(
     assert "swiftlm: rank 1 made no progress" in output, output[-3000:]
     assert "step 3, phase forward/backward" in output
     assert "swiftlm: rank 0 made no progress" not in output  # the waiting rank is not blamed
-    # The first worker to fail ended itself with the watchdog's code (torchrun's summary);
-    # torchrun then stops the other one, if its own watchdog has not already.
-    assert re.search(rf"exitcode\s*:\s*{HEARTBEAT_EXIT_CODE}\b", output), output[-3000:]
+    # The first worker to fail ended itself with the watchdog's code; torchrun then stops the
+    # other one, if its own watchdog has not already. The launcher exits with the first code
+    # and says which rank it was, without torchrun's ChildFailedError stack.
+    assert code == HEARTBEAT_EXIT_CODE, output[-3000:]
+    assert f"failed first (exit code {HEARTBEAT_EXIT_CODE}); its output is above" in output
+    assert "ChildFailedError" not in output
     print(f"the whole job stopped {stopped_after:.1f} s after the hang began")

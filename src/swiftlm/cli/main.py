@@ -7,6 +7,7 @@ import os
 import sys
 import warnings
 
+from swiftlm.distributed.failures import report_error
 from swiftlm.distributed.launch import launch, wants_launch
 from swiftlm.errors import SwiftLMError
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run(cfg)
     except SwiftLMError as exc:
-        print(f"swiftlm {name}: error: {exc}", file=sys.stderr)
+        report_error(name, exc)  # a torchrun worker leaves it to the launcher, to print once
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"\nswiftlm {name}: interrupted", file=sys.stderr)

@@ -1,7 +1,8 @@
 """The process group and this process's place in it.
 
 Under torchrun every process reads RANK / WORLD_SIZE / LOCAL_RANK from the environment; a
-plain `swiftlm sft` is a world of one and never initializes torch.distributed.
+plain `swiftlm sft` is a world of one and initializes torch.distributed only for an engine
+that needs a process group even alone (DeepSpeed: `init_single_process_group`).
 """
 
 import os
@@ -11,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from swiftlm.distributed.failures import install_crash_hook
 from swiftlm.distributed.launch import launched_by_torchrun
 
 
@@ -69,6 +71,9 @@ def init_distributed(timeout_s: float) -> DistContext:
         timeout = timedelta(seconds=timeout_s)
         store = attempt_store(timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        # From here a rank's crash can be the echo of another's failure (a collective whose
+        # peer has exited): under swiftlm's launcher, only the first failure is shown.
+        install_crash_hook()
     return DistContext(rank=rank, world_size=world, local_rank=local_rank)
 
 
@@ -86,6 +91,35 @@ def attempt_store(timeout: timedelta):
     return dist.PrefixStore(f"default_pg/attempt-{attempt}", store)
 
 
+# Environment variables set by init_single_process_group -> their earlier values (None: unset),
+# put back at shutdown.
+_env_before_single_group: dict[str, str | None] = {}
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """A process group of one rank, for engines that need one even in a single process.
+
+    DeepSpeed, given no process group and no torchrun variables, falls back to MPI discovery
+    (and fails without mpi4py). An in-memory store needs no port and no rendezvous. DeepSpeed
+    also reads LOCAL_RANK (the device index) from the environment, so it is set here and
+    removed again at shutdown: a later run in the same process (tests, notebooks) must not
+    look like a torchrun worker.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    local_rank = str(device.index or 0)
+    _env_before_single_group.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK"))
+    os.environ["LOCAL_RANK"] = local_rank
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in _env_before_single_group.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _env_before_single_group.clear()

@@ -1,8 +1,10 @@
 """Start a command under torchrun when more than one process is asked for.
 
 `swiftlm sft ... --nproc_per_node 2` re-runs itself as
-`python -m torch.distributed.run --nproc_per_node 2 ... -m swiftlm sft ...`; the workers see
-LOCAL_RANK and do not launch again. `torchrun -m swiftlm sft ...` works directly too.
+`torchrun --nproc_per_node 2 ... -m swiftlm sft ...`; the workers see LOCAL_RANK and do not
+launch again. torchrun runs through `swiftlm.distributed.torchrun`, which turns a failure of
+the workers into one message and the failing rank's exit code. `torchrun -m swiftlm sft ...`
+works directly too.
 """
 
 import os
@@ -27,7 +29,7 @@ def torchrun_command(args: DistArguments, command: str, argv: list[str]) -> list
     launcher = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "swiftlm.distributed.torchrun",
         f"--nproc_per_node={args.nproc_per_node}",
         f"--nnodes={args.nnodes}",
         f"--node_rank={args.node_rank}",
@@ -47,7 +49,8 @@ def with_fixed_output_dir(argv: list[str], output_dir: str | None) -> list[str]:
 
 
 def launch(args: DistArguments, command: str, argv: list[str], output_dir: str | None) -> int:
-    """Run the command under torchrun and return its exit code."""
+    """Run the command under torchrun and return its exit code (on failure: the first failing
+    rank's, whose error torchrun.py has printed)."""
     cmd = torchrun_command(args, command, with_fixed_output_dir(argv, output_dir))
-    print("Launching: " + " ".join(cmd[2:]), flush=True)
+    print("Launching: torchrun " + " ".join(cmd[3:]), flush=True)
     return subprocess.call(cmd)

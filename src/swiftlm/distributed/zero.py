@@ -18,7 +18,7 @@ import torch
 from swiftlm.checkpoint.deepspeed import load_engine_state, save_engine_state
 from swiftlm.checkpoint.folders import save_pretrained_atomically
 from swiftlm.config.sections import TrainArguments
-from swiftlm.distributed.env import DistContext
+from swiftlm.distributed.env import DistContext, init_single_process_group
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize
 from swiftlm.errors import ConfigError
@@ -59,6 +59,19 @@ def fill_auto(config: dict, train: TrainArguments, compute_dtype: torch.dtype) -
     return filled
 
 
+def forget_earlier_groups() -> None:
+    """Drop DeepSpeed's cached copy of the world group before building an engine.
+
+    DeepSpeed keeps a clone of the world group in a module global. After an earlier run in
+    this process (tests, a notebook) destroyed its process group, that clone is stale and
+    `deepspeed.initialize` fails ("Group ... is not registered"); cleared, it is made again
+    from the current group. A no-op for the first engine of a process (every torchrun worker).
+    """
+    from deepspeed.utils import groups
+
+    groups._WORLD_GROUP = None
+
+
 class DeepSpeedStrategy:
     """The wrapper exception: DeepSpeed's engine owns the model and the optimizer, so `wrap`
     applies only what the engine does not (activation checkpointing, compile) and
@@ -90,7 +103,8 @@ class DeepSpeedStrategy:
         self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
 
     def __str__(self) -> str:
-        return f"DeepSpeed {self.spec} over {self.ctx.world_size} ranks"
+        ranks = "rank" if self.ctx.world_size == 1 else "ranks"
+        return f"DeepSpeed {self.spec} over {self.ctx.world_size} {ranks}"
 
     def wrap(self, model):
         # The engine shards by itself: of the parallelize sequence, only activation
@@ -102,6 +116,11 @@ class DeepSpeedStrategy:
         """Build the DeepSpeed engine around the model and swiftlm's own AdamW."""
         import deepspeed
 
+        if not self.ctx.distributed:
+            # The engine always talks to a process group; alone, it is a group of one (shut
+            # down with any other by shutdown_distributed at the end of the run).
+            init_single_process_group(self.device)
+        forget_earlier_groups()
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.config
         )
