@@ -37,7 +37,8 @@ VARIANTS = {
 def run_variant(common: list[str], extra: list[str], out: Path) -> dict:
     """One training process; returns its steady-state figures from metrics.jsonl."""
     out.mkdir(parents=True)
-    log = out / "output.log"
+    log = out / "output.log"  # beside the run directory: a new run needs its folder empty
+    out = out / "run"
     with log.open("w") as sink:
         proc = subprocess.Popen(
             [*SWIFTLM, *common, *extra, "--output_dir", str(out)],

@@ -144,7 +144,8 @@ def test_a_bad_weight_names_the_row(tiny_model_dir, tmp_path, capsys):
     from conftest import write_jsonl
 
     data = write_jsonl(tmp_path / "w.jsonl", [ROWS[0], {**ROWS[1], "weight": -1}])
-    argv = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(tmp_path)]
+    out = tmp_path / "run"  # not tmp_path itself: it holds the data, and a run needs its own
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(out)]
     code = run_script(argv, check=False)
     assert code.returncode == 1
     assert "w.jsonl:2: `weight` must be a positive number, got -1" in code.stderr

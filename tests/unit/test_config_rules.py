@@ -221,12 +221,6 @@ def test_padding_free_on_cuda_follows_flash_attention(monkeypatch):
     assert resolve_config(train(), SFT_LIKE, "tiny", cuda).train.padding_free is True
 
 
-def test_a_restarted_worker_resumes(monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    resolved = resolve_config(train("--output_dir", "runs/a"), SFT_LIKE, "tiny", CPU)
-    assert resolved.output.resume_from_checkpoint == "auto"
-
-
 def test_run_facts_read_the_torchrun_world(monkeypatch):
     for name in ("LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

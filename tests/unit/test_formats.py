@@ -39,7 +39,7 @@ def expect_error(kind, fragment, record, **kwargs):
 # --- each format -> exact messages ------------------------------------------------------
 
 
-def test_messages_format_keeps_roles_and_drops_extra_keys():
+def test_messages_format_keeps_roles_and_the_per_message_loss():
     record = {
         "messages": [
             {"role": "system", "content": "Be brief."},
@@ -47,7 +47,8 @@ def test_messages_format_keeps_roles_and_drops_extra_keys():
             {"role": "assistant", "content": "Hello", "loss": True},
         ]
     }
-    assert to_messages(record) == [system("Be brief."), user("Hi"), assistant("Hello")]
+    answer = {**assistant("Hello"), "loss": True}
+    assert to_messages(record) == [system("Be brief."), user("Hi"), answer]
 
 
 def test_messages_format_maps_ms_swift_tool_roles():

@@ -9,13 +9,15 @@ loads with transformers/peft as is), the engine's own state beside it, each rank
 - stages.py: one folder per pipeline stage;
 - deepspeed.py: DeepSpeed's engine folder.
 
+`targets.py` picks the checkpoint a run resumes from and names what a folder given as a
+checkpoint (or as weights to load) is when it is not one.
+
 Strategies (swiftlm.distributed) call these; nothing here knows a strategy class.
 """
 
 from swiftlm.checkpoint.folders import (
     COMPLETE,
     checkpoint_dir,
-    find_resume_checkpoint,
     is_complete,
     list_checkpoints,
     mark_complete_when_written,
@@ -23,6 +25,7 @@ from swiftlm.checkpoint.folders import (
     save_pretrained_atomically,
 )
 from swiftlm.checkpoint.save import STATE_FILE, load_checkpoint, save_checkpoint
+from swiftlm.checkpoint.targets import find_resume_checkpoint
 from swiftlm.errors import CheckpointError
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""Checkpoint folders of a run: names, the COMPLETE marker, listing, pruning, resume choice,
-and atomic writing of a loadable model folder.
+"""Checkpoint folders of a run: names, the COMPLETE marker, listing, pruning, and atomic
+writing of a loadable model folder. Which folder a run resumes from is `targets.py`.
 
 `COMPLETE` is written last: a folder without it is a checkpoint that was interrupted and is
 never resumed from.
@@ -7,8 +7,6 @@ never resumed from.
 
 import shutil
 from pathlib import Path
-
-from swiftlm.errors import CheckpointError
 
 COMPLETE = "COMPLETE"
 
@@ -21,7 +19,7 @@ def is_complete(folder: Path) -> bool:
     return (folder / COMPLETE).is_file()
 
 
-def _step_of(folder: Path) -> int:
+def step_of(folder: Path) -> int:
     return int(folder.name[5:])
 
 
@@ -31,7 +29,7 @@ def list_checkpoints(run_dir: Path) -> tuple[list[Path], list[Path]]:
     folders = (
         sorted(
             (p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-            key=_step_of,
+            key=step_of,
         )
         if root.is_dir()
         else []
@@ -69,25 +67,12 @@ def prune_checkpoints(run_dir: Path, keep: int | None) -> list[Path]:
             shutil.rmtree(folder)
             removed.append(folder)
     if complete:
-        newest = _step_of(complete[-1])
+        newest = step_of(complete[-1])
         for folder in incomplete:
-            if _step_of(folder) < newest:
+            if step_of(folder) < newest:
                 shutil.rmtree(folder)
                 removed.append(folder)
     return removed
-
-
-def find_resume_checkpoint(run_dir: Path, spec: str) -> tuple[Path | None, list[Path]]:
-    """Resolve --resume_from_checkpoint: (folder to resume from, incomplete ones skipped)."""
-    if spec != "auto":
-        folder = Path(spec)
-        if not folder.is_dir():
-            raise CheckpointError(f"--resume_from_checkpoint {spec}: no such folder")
-        return folder, []
-    complete, incomplete = list_checkpoints(run_dir)
-    newest = complete[-1] if complete else None
-    skipped = [p for p in incomplete if newest is None or _step_of(p) > _step_of(newest)]
-    return newest, skipped
 
 
 def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict=None) -> None:

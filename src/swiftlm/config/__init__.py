@@ -1,6 +1,7 @@
 """Command configs, each a composition of typed sections.
 
-- `sections.py`: the sections; each checks its own fields (`checks.py`) when built;
+- `sections.py` (training, model, data, quantization) and `sections_infer.py` (generation,
+  inference, export): the sections; each checks its own fields (`checks.py`) when built;
 - `commands.py`: the configs of `swiftlm sft/pt`, `infer` and `export`, and the flags each
   command leaves out (`UNUSED_FLAGS`);
 - `argv.py`: repeated and aliased flags resolved before argparse;
@@ -13,15 +14,13 @@ from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
     DataArguments,
     DistArguments,
-    ExportArguments,
-    GenerationArguments,
-    InferArguments,
     ModelArguments,
     OutputArguments,
     QuantArguments,
     TrainArguments,
     TunerArguments,
 )
+from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
 
 __all__ = [
     "DataArguments",

@@ -5,15 +5,13 @@ from dataclasses import dataclass, field
 from swiftlm.config.sections import (
     DataArguments,
     DistArguments,
-    ExportArguments,
-    GenerationArguments,
-    InferArguments,
     ModelArguments,
     OutputArguments,
     QuantArguments,
     TrainArguments,
     TunerArguments,
 )
+from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
 
 
 @dataclass

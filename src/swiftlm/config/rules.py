@@ -8,6 +8,7 @@ from typing import Any
 
 from swiftlm.config.checks import Facts, Rule
 from swiftlm.config.commands import ExportConfig, InferConfig, TrainConfig
+from swiftlm.config.rules_run_dir import RUN_DIR_RULES
 from swiftlm.config.sections import AUTO_BATCH_SIZE, DistArguments, QuantArguments
 from swiftlm.errors import ConfigError
 
@@ -442,7 +443,7 @@ EXPORT_RULES = (
 )
 
 RULES: dict[type, tuple[Rule, ...]] = {
-    TrainConfig: TRAIN_RULES + PIPELINE_RULES + ENGINE_RULES + QLORA_RULES,
+    TrainConfig: TRAIN_RULES + RUN_DIR_RULES + PIPELINE_RULES + ENGINE_RULES + QLORA_RULES,
     InferConfig: INFER_RULES,
     ExportConfig: EXPORT_RULES,
 }

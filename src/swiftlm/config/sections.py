@@ -12,14 +12,12 @@ Rules between flags live in `rules.py`.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from swiftlm.config.checks import above, at_least, check_fields, custom, matching, within
+from swiftlm.config.checks import above, at_least, check_fields, custom, within
 
 # `--per_device_train_batch_size auto` is stored as this value until the model has loaded.
 AUTO_BATCH_SIZE = 0
 # What `--fsdp` accepts (ms-swift's spellings of FSDP2's full sharding).
 FSDP_SPELLINGS = ("fsdp2", "full_shard", "shard")
-# `--max_shard_size` forms that transformers' save_pretrained parses.
-SHARD_SIZE = r"\d+(GIB|MIB|KIB|GB|MB|KB)"
 # `--report_to` values: the loggers swiftlm writes besides metrics.jsonl.
 LOGGERS = ("tensorboard", "wandb")
 LOGGER_CHOICES = "the loggers are tensorboard and wandb (one or both), or none alone for neither"
@@ -211,6 +209,12 @@ class OutputArguments:
     output_dir: str | None = doc(
         "Run directory. Default: output/<model name>-<timestamp>.", default=None
     )
+    overwrite_output_dir: bool = doc(
+        "Delete the earlier swiftlm run in --output_dir, then start this one there.", default=False
+    )
+    add_version: bool = doc(
+        "Write the run into a new <output_dir>/v<N>-<timestamp> (ms-swift's naming).", default=False
+    )
     logging_steps: int = doc("Log metrics every N optimizer steps (and always step 1).", default=5)
     save_steps: int = doc(
         "Save a checkpoint every N optimizer steps (and at the end).", default=500
@@ -239,48 +243,6 @@ class OutputArguments:
             eval_steps=at_least(1, note="or unset: every --save_steps"),
             report_to=custom(_known_loggers, "--{flag} {value}: " + LOGGER_CHOICES),
         )
-
-
-@dataclass
-class GenerationArguments:
-    max_new_tokens: int = doc("Most tokens generated per answer.", default=512)
-    temperature: float = doc("Sampling temperature; 0 means greedy.", default=0.0)
-    top_p: float = doc(
-        "Nucleus sampling: smallest token set with this total probability.", default=1.0
-    )
-    top_k: int = doc("Sample among the k most likely tokens (0 disables).", default=0)
-    repetition_penalty: float = doc("Penalty > 1 discourages repeating tokens.", default=1.0)
-
-    def __post_init__(self):
-        check_fields(
-            self,
-            max_new_tokens=at_least(1),
-            temperature=custom(lambda v: v >= 0, "--{flag} {value} must be 0 (greedy) or more"),
-            top_p=within(0, 1, open_low=True),
-            top_k=custom(lambda v: v >= 0, "--{flag} {value} must be 0 (off) or more"),
-            repetition_penalty=above(0),
-        )
-
-
-@dataclass
-class InferArguments:
-    adapters: list[str] = doc(
-        "LoRA/DoRA adapter folders to apply on --model.", default_factory=list
-    )
-    ckpt_dir: str | None = doc(
-        "A swiftlm run directory, its final/ folder or a checkpoint: the model (and base model) "
-        "are read from the saved config.",
-        default=None,
-    )
-    result_path: str | None = doc(
-        "Batch mode: write one JSON line per --val_dataset sample here.", default=None
-    )
-    max_batch_size: int = doc("Batch mode: prompts generated together.", default=8)
-    stream: bool = doc("Interactive mode: print tokens as they are generated.", default=True)
-    seed: int = doc("Seed for sampling.", default=42)
-
-    def __post_init__(self):
-        check_fields(self, max_batch_size=at_least(1))
 
 
 @dataclass
@@ -412,41 +374,4 @@ class QuantArguments:
                 "--{flag} {value}: pass a positive size (e.g. 128) or -1 (per channel)",
             ),
             quant_n_samples=custom(lambda v: v >= 1, "--{flag} must be at least 1, not {value}"),
-        )
-
-
-@dataclass
-class ExportArguments:
-    output_dir: str | None = doc("Folder to write the exported model to (required).", default=None)
-    merge_lora: bool = doc(
-        "Merge the LoRA/DoRA adapters into the base weights and save a full Hugging Face "
-        "folder (safetensors, tokenizer and chat template included). The other formats merge "
-        "adapters first on their own.",
-        default=False,
-    )
-    max_shard_size: str = doc("Largest safetensors shard, e.g. 5GB or 500MB.", default="5GB")
-    to_gguf: bool = doc(
-        "Write one GGUF file for llama.cpp and Ollama (tokenizer and chat template embedded).",
-        default=False,
-    )
-    gguf_type: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] = doc(
-        "GGUF tensor type for --to_gguf: f32, f16, bf16, or llama.cpp's block quantizations "
-        "q8_0, q5_0, q5_1, q4_0, q4_1 (norms and biases stay f32).",
-        default="f16",
-    )
-    to_ollama: bool = doc(
-        "Also write an Ollama Modelfile next to the GGUF file (implies --to_gguf).",
-        default=False,
-    )
-    to_onnx: bool = doc(
-        "Export to ONNX through torch's exporter (needs the onnx extra), checked with onnxruntime.",
-        default=False,
-    )
-
-    def __post_init__(self):
-        check_fields(
-            self,
-            max_shard_size=matching(
-                SHARD_SIZE, "give a whole number and a unit, e.g. 5GB or 500MB"
-            ),
         )

@@ -14,9 +14,12 @@ A LoRA run is merged first for every format (`export/source.py`).
 import importlib
 from pathlib import Path
 
+from swiftlm.checkpoint.targets import check_weights_folders
 from swiftlm.config import ExportConfig
+from swiftlm.config.paths import check_writable_folder
 from swiftlm.config.rules import check, export_formats
 from swiftlm.errors import ConfigError
+from swiftlm.train.preflight import check_dataset_paths
 
 
 def chosen_format(cfg: ExportConfig) -> str:
@@ -27,6 +30,7 @@ def chosen_format(cfg: ExportConfig) -> str:
 
 def output_folder(cfg: ExportConfig) -> Path:
     """--output_dir, which must be new or empty (that it is given is a rule)."""
+    check_writable_folder(cfg.export.output_dir, "--output_dir")
     out = Path(cfg.export.output_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--output_dir {out} is not empty; choose a new folder")
@@ -58,6 +62,8 @@ FORMAT_MODULES = {
 
 def run(cfg: ExportConfig) -> dict:
     check(cfg)  # every rule between flags, before anything loads
+    check_weights_folders(cfg.infer.ckpt_dir, cfg.infer.adapters)
+    check_dataset_paths(cfg.data)  # calibration data, read after the model loads
     fmt = chosen_format(cfg)
     out = output_folder(cfg)
     if fmt == "merged":

@@ -1,16 +1,28 @@
 """`swiftlm infer`: chat with a model, or answer every prompt of `--val_dataset` into a file."""
 
+from swiftlm.checkpoint.targets import check_weights_folders
 from swiftlm.config import InferConfig
+from swiftlm.config.paths import check_writable_file
 from swiftlm.config.rules import check
 from swiftlm.infer.batch import run_batch
 from swiftlm.infer.chat import run_chat
 from swiftlm.infer.engine import build_engine
 from swiftlm.infer.resolve import resolve_inference_model
+from swiftlm.train.preflight import check_dataset_paths
+
+
+def check_paths(cfg: InferConfig) -> None:
+    """The folders, prompts and results file the flags name, before the model loads."""
+    check_weights_folders(cfg.infer.ckpt_dir, cfg.infer.adapters)
+    check_dataset_paths(cfg.data)
+    if cfg.infer.result_path:
+        check_writable_file(cfg.infer.result_path, "--result_path")
 
 
 def run(cfg: InferConfig) -> list[dict] | None:
     """Run inference; returns the batch results, or None after an interactive chat."""
     check(cfg)  # every rule between flags, before the model loads
+    check_paths(cfg)
     spec = resolve_inference_model(cfg)
     print(f"Loading {spec.description}", flush=True)
     engine = build_engine(spec, cfg.model, cfg.infer.seed)

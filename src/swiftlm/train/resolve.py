@@ -1,12 +1,13 @@
 """Resolving a training config, in two explicit steps.
 
 - `resolve_config`, before the model loads: every default that is known by then, filled in
-  one step (the method's default datasets, the learning rate, the run directory, resume
-  after a torchrun restart, padding-free);
+  one step (the method's default datasets, the learning rate, padding-free, the default run
+  directory);
 - `resolve_auto_batch`, once the model has loaded: `--per_device_train_batch_size auto`.
 
 The run directory's config.yaml holds the result, so a rerun or a resume reads the values
-this run used. The rules between flags (`swiftlm.config.rules`) are checked before either.
+this run used. Before either, the rules between flags (`swiftlm.config.rules`) are checked,
+and `preflight.prepare_run` checks every path and settles the run directory.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from swiftlm.checkpoint.targets import run_dir_of
 from swiftlm.config import TrainConfig
 from swiftlm.config.rules import Facts, pipeline
 from swiftlm.distributed.launch import launched_by_torchrun
@@ -37,8 +39,20 @@ def resolve_config(
 
     `--per_device_train_batch_size auto` stays as it is (see `resolve_auto_batch`). Assumes
     the rules hold (`dataset_given`, `resume_auto_needs_output_dir`, ...)."""
-    data, train, output = cfg.data, cfg.train, cfg.output
-    resume = "auto" if restarted_by_torchrun() else output.resume_from_checkpoint
+    cfg = resolve_defaults(cfg, method_cls, device)
+    output = cfg.output
+    return dataclasses.replace(
+        cfg,
+        output=dataclasses.replace(
+            output, output_dir=output.output_dir or default_run_dir(model_name)
+        ),
+    )
+
+
+def resolve_defaults(cfg: TrainConfig, method_cls, device: torch.device) -> TrainConfig:
+    """`cfg` with the defaults of the method, the train type and the device filled in (all
+    of `resolve_config` but the run directory): what a resumed run is compared on."""
+    data, train = cfg.data, cfg.train
     return dataclasses.replace(
         cfg,
         data=dataclasses.replace(data, dataset=data.dataset or list(method_cls.default_datasets)),
@@ -55,11 +69,6 @@ def resolve_config(
                 else train.padding_free
             ),
         ),
-        output=dataclasses.replace(
-            output,
-            output_dir=output.output_dir or default_run_dir(model_name),
-            resume_from_checkpoint=resume,
-        ),
     )
 
 
@@ -73,11 +82,6 @@ def default_run_dir(model_name: str) -> str:
     return f"output/{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def restarted_by_torchrun() -> bool:
-    """A worker restarted by torchrun (--max_restarts) resumes from the newest checkpoint."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-
 def default_padding_free(cfg: TrainConfig, device: torch.device, method_cls) -> bool:
     """Unset --padding_free: on where dropping padding is a pure gain.
 
@@ -89,6 +93,13 @@ def default_padding_free(cfg: TrainConfig, device: torch.device, method_cls) -> 
     """
     fixed_shapes = cfg.train.packing or pipeline(cfg.dist) or not method_cls.supports_packing
     return not fixed_shapes and (device.type == "cpu" or flash_attention_available(device))
+
+
+def _resumed_run(cfg: TrainConfig) -> Path:
+    """The run whose checkpoint this run resumes: --output_dir for `auto`, else the run that
+    holds the checkpoint (--output_dir when it is in none)."""
+    spec, output_dir = cfg.output.resume_from_checkpoint, Path(cfg.output.output_dir)
+    return output_dir if spec == "auto" else run_dir_of(Path(spec).expanduser()) or output_dir
 
 
 def _previous_batch_size(run_dir: Path) -> int:
@@ -106,11 +117,7 @@ def resolve_auto_batch(cfg: TrainConfig, model, loss_fn, placement, ctx, log) ->
     """Replace `--per_device_train_batch_size auto` by a number (rank 0's, for all ranks).
 
     A resumed run keeps the size it chose first: the data order depends on it."""
-    size = (
-        _previous_batch_size(Path(cfg.output.output_dir))
-        if cfg.output.resume_from_checkpoint
-        else 0
-    )
+    size = _previous_batch_size(_resumed_run(cfg)) if cfg.output.resume_from_checkpoint else 0
     how = "as chosen when this run started"
     if not size and ctx.is_main:
         device, dtype = placement

@@ -1,4 +1,5 @@
-"""A training command top to bottom: config -> model -> data (the method's) -> loop -> final/.
+"""A training command top to bottom: config -> paths and run directory -> model -> data (the
+method's) -> loop -> final/.
 
 `swiftlm sft` and `swiftlm pt` are `run(cfg, "sft")` and `run(cfg, "pt")`: the methods
 registered in `methods.METHODS`. Any class that satisfies `methods.base.Method` runs the same
@@ -23,6 +24,7 @@ from swiftlm.monitor.metrics import format_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.train.batching import describe_plan
 from swiftlm.train.loop import TrainingJob, run_training
+from swiftlm.train.preflight import prepare_run
 from swiftlm.train.prepare import make_batch_plan, prepare_data, prepare_model
 from swiftlm.train.resolve import resolve_auto_batch, resolve_config, run_facts
 from swiftlm.tuners.setup import count_parameters
@@ -45,10 +47,14 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     check_loggers_installed(cfg.output.report_to)
     ctx = init_distributed(cfg.dist.dist_timeout)
     log = log if ctx.is_main else _silent
-    resolved = resolve_model(cfg.model.model) if ctx.is_main else None
-    resolved = ctx.broadcast_object(resolved)  # rank 0 converts a GGUF once; others reuse it
     device = pick_device(cfg.model.device, ctx.local_rank)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
+    # Rank 0 checks every path and settles the run directory (new, cleared, versioned or
+    # resumed) before a model is even found, so a typo costs a second; every rank follows it.
+    cfg = prepare_run(cfg, method_cls, ctx, device, log) if ctx.is_main else None
+    cfg = ctx.broadcast_object(cfg)
+    resolved = resolve_model(cfg.model.model) if ctx.is_main else None
+    resolved = ctx.broadcast_object(resolved)  # rank 0 converts a GGUF once; others reuse it
     # Resolved once, on rank 0, for every rank (the default run directory has a timestamp).
     cfg = resolve_config(cfg, method_cls, resolved.name, device) if ctx.is_main else None
     cfg = ctx.broadcast_object(cfg)

@@ -1,4 +1,7 @@
-"""What a checkpoint stores besides tensors, and the resume/save steps of the loop."""
+"""What a checkpoint stores besides tensors, and the resume/save steps of the loop.
+
+What a resumed run may change is checked before anything loads (`resume_match`); here the
+checkpoint is loaded, and the learning rate set from this run's schedule."""
 
 from dataclasses import dataclass, field
 
@@ -70,10 +73,38 @@ def resume(job, optimizer, scheduler, scaler) -> LoopState:
             f"{len(job.train_data)}: resume needs the same data and --max_length"
         )
     scheduler.load_state_dict(saved["scheduler"])
+    follow_this_schedule(optimizer, scheduler, saved["step"], job.log)
     if scaler and saved["grad_scaler"]:
         scaler.load_state_dict(saved["grad_scaler"])
     job.log(f"resumed from {folder} at step {saved['step']}")
     return LoopState.from_json(saved)
+
+
+def follow_this_schedule(optimizer, scheduler, step: int, log) -> None:
+    """Set the learning rate this run's schedule gives at `step`.
+
+    The optimizer state holds the rate that the saved run's schedule set last, and the next
+    step would train with it. The restored scheduler keeps its base rates and step count but
+    takes its shape from this run's flags; a run resumed with another length (--max_steps,
+    --num_train_epochs: `resume_match`) continues on its own schedule from the first resumed
+    step. With the same length the rate is the same and nothing changes (exact resume)."""
+    now = [base * factor(scheduler.last_epoch) for base, factor in _factors(scheduler)]
+    saved = [group["lr"] for group in optimizer.param_groups]
+    if now == saved:
+        return
+    for group, lr in zip(optimizer.param_groups, now, strict=False):
+        group["lr"] = lr
+    scheduler._last_lr = now  # what get_last_lr() reports until the next step
+    log(
+        f"learning rate follows this run's schedule from step {step}: {now[0]:.3g} (the "
+        f"checkpoint's schedule had {saved[0]:.3g})"
+    )
+
+
+def _factors(scheduler) -> list:
+    """(base rate, factor function) per parameter group of a LambdaLR (transformers' cosine,
+    linear and constant-with-warmup schedules)."""
+    return list(zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True))
 
 
 def save(job, optimizer, scheduler, scaler, state: LoopState) -> None:

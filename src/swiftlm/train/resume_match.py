@@ -1,0 +1,216 @@
+"""A resumed run continues the run that saved its checkpoint, so the flags that give the
+checkpoint its meaning must not change. Checked before anything loads, against the saved
+config.yaml of that run:
+
+- MUST_MATCH: the model and tuner shape the saved weights belong to; the data, batching and
+  seed that the saved data position counts micro-batches of; the optimizer settings and the
+  schedule's shape. The batch size is compared across data-parallel ranks: a run may resume
+  on another number of processes with the same samples per step (2 ranks x 2 = 1 x 4). The optimizer's saved state brings back its learning rate, betas, eps and
+  weight decay (`Optimizer.load_state_dict`), and the schedule its base learning rate, so a
+  new value there would be silently ignored. Any difference is a ConfigError naming each
+  `--flag: saved X, now Y`.
+- The run's length (--max_steps / --num_train_epochs) may change, to extend a run: the
+  schedule is rebuilt for the new length from the checkpoint's step on (`state.resume` sets
+  the learning rate it gives there), and the log says so. A --max_steps below the
+  checkpoint's step is refused.
+- Everything else (logging, saving, evaluation, clipping, dropout, precision, engines) may
+  change.
+"""
+
+import json
+from pathlib import Path
+
+import yaml
+
+from swiftlm.checkpoint import STATE_FILE
+from swiftlm.checkpoint.targets import RUN_CONFIG, find_resume_checkpoint, run_dir_of
+from swiftlm.config import TrainConfig
+from swiftlm.config.checks import flag_values
+from swiftlm.config.sections import AUTO_BATCH_SIZE
+from swiftlm.errors import ConfigError
+
+
+def _always(cfg: TrainConfig) -> bool:
+    return True
+
+
+def _adapters(cfg: TrainConfig) -> bool:
+    """The LoRA flags shape nothing in a full fine-tune."""
+    return cfg.tuner.train_type != "full"
+
+
+def _builtin_data(cfg: TrainConfig) -> bool:
+    """--model_name and --model_author fill in the built-in self-cognition rows only."""
+    return any(spec.startswith("swiftlm/") for spec in cfg.data.dataset)
+
+
+def _token_budget(cfg: TrainConfig) -> bool:
+    """Only the micro-batches of a token budget depend on --padding_free (their cost)."""
+    return cfg.train.max_tokens_per_batch > 0
+
+
+# Flag -> when it must match (given this run's config).
+MUST_MATCH = {
+    # The weights in the checkpoint: the model, and the tuner's shape.
+    "model": _always,
+    "train_type": _always,
+    "lora_rank": _adapters,
+    "lora_alpha": _adapters,
+    "target_modules": _adapters,
+    "use_rslora": _adapters,
+    "modules_to_save": _adapters,
+    "quant_method": _always,
+    "quant_bits": _always,
+    "bnb_4bit_quant_type": _always,
+    "bnb_4bit_use_double_quant": _always,
+    # The samples and their order: the checkpoint's data position counts micro-batches.
+    "model_name": _builtin_data,
+    "model_author": _builtin_data,
+    "dataset": _always,
+    "split_dataset_ratio": _always,
+    "max_length": _always,
+    "truncation_strategy": _always,
+    "system": _always,
+    "loss_scope": _always,
+    "data_seed": _always,
+    "seed": _always,
+    "gradient_accumulation_steps": _always,
+    "packing": _always,
+    "max_tokens_per_batch": _always,
+    "padding_free": _token_budget,
+    # What the optimizer state restores, and the schedule's shape.
+    "learning_rate": _always,
+    "lr_scheduler_type": _always,
+    "warmup_ratio": _always,
+    "weight_decay": _always,
+    "adam_beta1": _always,
+    "adam_beta2": _always,
+    "adam_epsilon": _always,
+}
+
+
+def check_resume_matches(cfg: TrainConfig, world_size: int, log) -> None:
+    """Refuse a resume whose flags differ from the saved run's where it matters; state a new
+    run length. `cfg` is resolved (`resolve.resolve_defaults`) and its run directory settled;
+    `world_size`: the processes of this run."""
+    spec = cfg.output.resume_from_checkpoint
+    checkpoint, _ = find_resume_checkpoint(Path(cfg.output.output_dir or "."), spec)
+    if checkpoint is None:
+        return  # `auto` with nothing to resume: the run starts from scratch (state.resume)
+    run = run_dir_of(checkpoint)
+    saved_file = run / RUN_CONFIG if run is not None else None
+    if saved_file is None or not saved_file.is_file():
+        log(
+            f"--resume_from_checkpoint {spec}: {checkpoint} has no config.yaml of its run beside "
+            "it, so its settings are not compared with this run's"
+        )
+        return
+    saved, state = _saved_flags(saved_file), _trainer_state(checkpoint)
+    saved_ranks = data_parallel(saved, state.get("world_size", world_size))
+    changed = differences(saved, cfg, (saved_ranks, data_parallel(cfg, world_size)))
+    if changed:
+        raise ConfigError(
+            f"--resume_from_checkpoint {spec}: {checkpoint} was saved by a run with other "
+            "settings, which its weights, optimizer state and data position belong to:\n  "
+            + "\n  ".join(changed)
+            + f"\nrerun with the saved values (in {saved_file}), or start a new run in a new "
+            "--output_dir"
+        )
+    _check_run_length(saved, cfg, checkpoint, state.get("step", 0), log)
+
+
+def differences(saved: dict, cfg: TrainConfig, ranks: tuple[int, int] = (1, 1)) -> list[str]:
+    """`--flag: saved X, now Y` for each MUST_MATCH flag that differs, in flag order, then the
+    batch size (`ranks`: the data-parallel ranks of the saved run and of this one). A flag
+    missing from the saved config (written by an older swiftlm) is not compared."""
+    lines = []
+    for flag, value in flag_values(cfg).items():
+        matters = MUST_MATCH.get(flag)
+        if matters is None or not matters(cfg) or flag not in saved:
+            continue
+        if saved[flag] != value:
+            lines.append(f"--{flag}: saved {_shown(saved[flag])}, now {_shown(value)}")
+    batch = _batch_difference(saved, cfg, *ranks)
+    return lines + ([batch] if batch else [])
+
+
+def data_parallel(flags, world_size: int) -> int:
+    """The data-parallel ranks of a run: its processes over its tensor and pipeline stages.
+    `flags`: a TrainConfig, or the flat flags of a saved one."""
+    if isinstance(flags, TrainConfig):
+        flags = flag_values(flags)
+    split = (flags.get("tensor_parallel_size") or 1) * (flags.get("pipeline_parallel_size") or 1)
+    return max(world_size // split, 1)
+
+
+def _batch_difference(saved: dict, cfg: TrainConfig, saved_ranks: int, ranks: int) -> str | None:
+    """The saved data position counts steps of (batch size x data-parallel ranks) samples, or,
+    with a token budget, of one budget micro-batch per rank."""
+    if cfg.train.max_tokens_per_batch > 0:
+        if saved_ranks == ranks:
+            return None
+        return (
+            f"data-parallel ranks: saved {saved_ranks}, now {ranks} (with --max_tokens_per_batch "
+            "each rank takes its own micro-batches: run on as many processes as before)"
+        )
+    before = saved.get("per_device_train_batch_size")
+    now = cfg.train.per_device_train_batch_size
+    if before is None or now == AUTO_BATCH_SIZE:  # auto reuses the saved size (resolve.py)
+        return None
+    if before * saved_ranks == now * ranks:
+        return None
+    if saved_ranks == ranks:
+        return f"--per_device_train_batch_size: saved {before}, now {now}"
+    return (
+        f"--per_device_train_batch_size: saved {before} on {saved_ranks} data-parallel ranks, "
+        f"now {now} on {ranks} (the samples per step must stay {before * saved_ranks})"
+    )
+
+
+def _saved_flags(path: Path) -> dict:
+    """Flag -> value of a saved config.yaml (grouped by section, as `save_config` writes it)."""
+    sections = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return {
+        key: value
+        for section in sections.values()
+        if isinstance(section, dict)
+        for key, value in section.items()
+    }
+
+
+def _shown(value) -> str:
+    """A value as it is typed on the command line."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return "unset" if value is None else str(value)
+
+
+def _run_length(flags: dict) -> str:
+    """The flag that sets a run's length: --max_steps when positive, else the epochs."""
+    if (flags.get("max_steps") or 0) > 0:
+        return f"--max_steps {flags['max_steps']}"
+    return f"--num_train_epochs {flags.get('num_train_epochs')}"
+
+
+def _trainer_state(checkpoint: Path) -> dict:
+    """The checkpoint's step and world size, among others (a complete checkpoint has it)."""
+    state = checkpoint / STATE_FILE
+    return json.loads(state.read_text()) if state.is_file() else {}
+
+
+def _check_run_length(saved: dict, cfg: TrainConfig, checkpoint: Path, step: int, log) -> None:
+    max_steps = cfg.train.max_steps
+    if 0 < max_steps < step:
+        raise ConfigError(
+            f"--max_steps {max_steps}: the checkpoint {checkpoint} is at step {step} already; "
+            f"pass a --max_steps above {step} to train further, or start a new run in a new "
+            "--output_dir"
+        )
+    before, now = _run_length(saved), _run_length(flag_values(cfg))
+    if before != now:
+        log(
+            f"resuming with {now} (the checkpoint was saved by a run with {before}): training "
+            f"continues from step {step} on a learning-rate schedule rebuilt for the new length"
+        )
