@@ -19,7 +19,7 @@ from swiftlm.config import (
 )
 from swiftlm.errors import CheckpointError, ConfigError
 from swiftlm.infer import run as run_module
-from swiftlm.infer.engine import TransformersEngine, build_engine
+from swiftlm.infer.frontend import ChatEngine, build_chat_engine
 from swiftlm.infer.resolve import resolve_inference_model
 from swiftlm.infer.run import run
 
@@ -94,9 +94,9 @@ def base_config(tiny_model_dir) -> InferConfig:
 
 
 @pytest.fixture(scope="module")
-def run_engine(run_dir) -> TransformersEngine:
+def run_engine(run_dir) -> ChatEngine:
     cfg = infer_config(ckpt_dir=str(run_dir))
-    return build_engine(resolve_inference_model(cfg), cfg.model, seed=42)
+    return build_chat_engine(resolve_inference_model(cfg), cfg.model, seed=42)
 
 
 # ---- resolving what to load ------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_batched_greedy_equals_one_by_one(run_engine):
     assert batched == single
     assert len(set(single)) == 3  # distinct answers: a mix-up between rows would show
     # The prompts differ in length, so the batch really was padded.
-    lengths = {len(run_engine._encode([p])["input_ids"][0]) for p in PROMPTS}
+    lengths = {len(run_engine.encode(p)) for p in PROMPTS}
     assert len(lengths) == 3
 
 
@@ -223,14 +223,12 @@ def test_stream_yields_the_greedy_answer(run_engine):
     assert "".join(pieces) == run_engine.generate([PROMPTS[1]], GREEDY)[0]
 
 
-def test_sampling_is_seeded_and_top_k_1_is_greedy(run_engine):
-    from transformers import set_seed
-
+def test_sampling_is_seeded_and_top_k_1_is_greedy(run_engine, run_dir):
     sampled = replace(GREEDY, temperature=1.5)
-    set_seed(7)
-    first = run_engine.generate(PROMPTS, sampled)
-    set_seed(7)
-    assert run_engine.generate(PROMPTS, sampled) == first
+    cfg = infer_config(ckpt_dir=str(run_dir))
+    spec = resolve_inference_model(cfg)
+    first = build_chat_engine(spec, cfg.model, seed=7).generate(PROMPTS, sampled)
+    assert build_chat_engine(spec, cfg.model, seed=7).generate(PROMPTS, sampled) == first
     assert first != run_engine.generate(PROMPTS, GREEDY)
     top1 = replace(sampled, top_k=1)
     assert run_engine.generate(PROMPTS, top1) == run_engine.generate(PROMPTS, GREEDY)
@@ -240,9 +238,13 @@ def test_stream_reraises_a_generation_error(run_engine, monkeypatch):
     def fail(**kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(run_engine.model, "generate", fail)
+    monkeypatch.setattr(run_engine.engine.scheduler, "model", fail)
     with pytest.raises(RuntimeError, match="out of memory"):
         list(run_engine.stream(PROMPTS[0], GREEDY))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_engine.generate(PROMPTS, GREEDY)
+    monkeypatch.undo()
+    assert run_engine.generate(PROMPTS[:1], GREEDY)  # the engine keeps serving
 
 
 def test_generation_stops_at_end_of_turn(run_engine):
@@ -254,12 +256,12 @@ def test_adapter_is_applied(run_engine, run_dir, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     base_cfg = base_config(tiny_model_dir)
-    base_engine = build_engine(resolve_inference_model(base_cfg), base_cfg.model, seed=42)
+    base_engine = build_chat_engine(resolve_inference_model(base_cfg), base_cfg.model, seed=42)
     assert base_engine.generate(PROMPTS, GREEDY) != run_engine.generate(PROMPTS, GREEDY)
     # The merged weights compute what peft's unmerged adapter computes.
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     reference = PeftModel.from_pretrained(base, run_dir / "final").eval()
-    inputs = run_engine._encode(PROMPTS)
+    inputs = {"input_ids": torch.tensor([run_engine.encode(PROMPTS[0])])}
     with torch.inference_mode():
         expected = reference(**inputs).logits
         actual = run_engine.model(**inputs).logits
@@ -325,7 +327,7 @@ def test_batch_mode_default_result_path_is_in_the_run(run_dir, tmp_path):
 def test_chat_keeps_history_and_prints_answers(run_dir, monkeypatch, capsys, stream):
     calls = []
     method = "stream" if stream else "generate"
-    original = getattr(TransformersEngine, method)
+    original = getattr(ChatEngine, method)
 
     def spy(self, conversations, gen):
         conversation = conversations if stream else conversations[0]
@@ -333,7 +335,7 @@ def test_chat_keeps_history_and_prints_answers(run_dir, monkeypatch, capsys, str
         result = original(self, conversations, gen)
         return list(result) if stream else result
 
-    monkeypatch.setattr(TransformersEngine, method, spy)
+    monkeypatch.setattr(ChatEngine, method, spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Who are you?\nWhat is the capital of France?\n"))
     cfg = infer_config(ckpt_dir=str(run_dir), stream=stream)
 
@@ -344,7 +346,7 @@ def test_chat_keeps_history_and_prints_answers(run_dir, monkeypatch, capsys, str
     second = {"role": "user", "content": "What is the capital of France?"}
     assert len(calls) == 2
     assert calls[0] == [system, first]
-    engine = build_engine(resolve_inference_model(cfg), cfg.model, seed=42)
+    engine = build_chat_engine(resolve_inference_model(cfg), cfg.model, seed=42)
     answer1 = engine.generate([[system, first]], GREEDY)[0]
     assert calls[1] == [system, first, {"role": "assistant", "content": answer1}, second]
     answer2 = engine.generate([calls[1]], GREEDY)[0]
@@ -358,7 +360,7 @@ def test_chat_keeps_history_and_prints_answers(run_dir, monkeypatch, capsys, str
 def test_chat_commands_clear_and_exit(run_dir, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(
-        TransformersEngine, "generate", lambda self, convs, gen: calls.append(convs[0]) or ["ok"]
+        ChatEngine, "generate", lambda self, convs, gen: calls.append(convs[0]) or ["ok"]
     )
     monkeypatch.setattr(sys, "stdin", io.StringIO("one\nclear\n\ntwo\nexit\nthree\n"))
     run(infer_config(ckpt_dir=str(run_dir), stream=False))

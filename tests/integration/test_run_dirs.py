@@ -33,7 +33,7 @@ def forbid_loading(monkeypatch) -> None:
         "swiftlm.train.run.resolve_model",
         "swiftlm.train.run.load_tokenizer",
         "swiftlm.train.prepare.load_model",
-        "swiftlm.infer.run.build_engine",
+        "swiftlm.infer.run.build_chat_engine",
         "swiftlm.infer.resolve.resolve_model",
         "swiftlm.export.merge.merge_lora",
     ):

@@ -37,7 +37,9 @@ class GenerationArguments:
 @dataclass
 class InferArguments:
     adapters: list[str] = doc(
-        "LoRA/DoRA adapter folders to apply on --model.", default_factory=list
+        "LoRA/DoRA adapter folders to apply on --model (merged into it). `swiftlm deploy` "
+        "takes name=path and serves each adapter, unmerged, as the model `name`.",
+        default_factory=list,
     )
     ckpt_dir: str | None = doc(
         "A swiftlm run directory, its final/ folder or a checkpoint: the model (and base model) "
@@ -47,7 +49,11 @@ class InferArguments:
     result_path: str | None = doc(
         "Batch mode: write one JSON line per --val_dataset sample here.", default=None
     )
-    max_batch_size: int = doc("Batch mode: prompts generated together.", default=8)
+    max_batch_size: int = doc(
+        "Most sequences decoded together: the engine batches prompts continuously, a new "
+        "one joining as soon as another finishes.",
+        default=32,
+    )
     stream: bool = doc("Interactive mode: print tokens as they are generated.", default=True)
     seed: int = doc("Seed for sampling.", default=42)
 

@@ -17,7 +17,7 @@ from swiftlm.data.columns import refuse_media_parts
 from swiftlm.data.formats import RowError, chat_sample
 from swiftlm.data.loading import load_samples
 from swiftlm.errors import ConfigError
-from swiftlm.infer.engine import InferEngine
+from swiftlm.infer.frontend import InferEngine
 from swiftlm.infer.resolve import InferenceModel
 
 
@@ -85,23 +85,9 @@ def split_reference(messages: list[dict]) -> tuple[list[dict], str | None]:
 def generate_in_batches(
     engine: InferEngine, prompts: list[list[dict]], cfg: InferConfig
 ) -> list[str]:
-    """Answers in input order, generated `--max_batch_size` prompts at a time.
-
-    Prompts are grouped by length so a batch wastes little compute on padding.
-    """
-    from tqdm import tqdm
-
-    order = sorted(range(len(prompts)), key=lambda i: sum(len(m["content"]) for m in prompts[i]))
-    size = cfg.infer.max_batch_size
-    responses: list[str | None] = [None] * len(prompts)
-    with tqdm(total=len(prompts), unit="sample", desc="infer", disable=len(prompts) <= size) as bar:
-        for begin in range(0, len(order), size):
-            indices = order[begin : begin + size]
-            answers = engine.generate([prompts[i] for i in indices], cfg.generation)
-            for i, answer in zip(indices, answers, strict=True):
-                responses[i] = answer
-            bar.update(len(indices))
-    return responses
+    """Answers in input order. All prompts go to the engine at once: it decodes up to
+    `--max_batch_size` sequences together and starts the next prompt as soon as one ends."""
+    return engine.generate(prompts, cfg.generation)
 
 
 def result_path(cfg: InferConfig, spec: InferenceModel) -> Path:

@@ -9,7 +9,7 @@ import contextlib
 import sys
 
 from swiftlm.config import GenerationArguments
-from swiftlm.infer.engine import InferEngine
+from swiftlm.infer.frontend import InferEngine
 
 PROMPT = "<<< "
 ANSWER = ">>> "

@@ -1,46 +1,57 @@
-"""Inference engines: the `InferEngine` protocol and its transformers implementation.
+"""Build the continuous-batching engine: load the model, its tokenizer and its adapters.
 
-An engine turns chat conversations into assistant answers. `generate` answers many
-conversations at once (batched, left-padded); `stream` yields one answer piece by piece.
+`build_engine` is what `swiftlm deploy` (and later RL rollouts and evaluation) start from;
+`swiftlm infer` wraps the same engine in `frontend.ChatEngine`. Adapters come in two kinds:
+merged ones (folded into the base weights: as fast as the plain model, they can stack) and
+named ones (kept apart as peft LoRA layers, chosen per request by `GenerationRequest.adapter`,
+all sharing one copy of the base weights and one batch).
 """
 
 import warnings
-from collections.abc import Iterator
-from threading import Event, Thread
-from typing import Protocol
 
-import torch
-
-from swiftlm.config import GenerationArguments, ModelArguments
 from swiftlm.errors import ModelLoadError
-from swiftlm.infer.resolve import InferenceModel
+from swiftlm.infer.continuous import ContinuousEngine
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
 from swiftlm.models.templates import end_of_turn_token
 
 
-class InferEngine(Protocol):
-    """What the chat and batch front ends need from an engine."""
-
-    generated_tokens: int  # new tokens produced so far (for throughput reports)
-
-    def generate(self, conversations: list[list[dict]], gen: GenerationArguments) -> list[str]: ...
-
-    def stream(self, conversation: list[dict], gen: GenerationArguments) -> Iterator[str]: ...
-
-
 def build_engine(
-    spec: InferenceModel, model_args: ModelArguments, seed: int
-) -> "TransformersEngine":
-    """Load the model of `spec` (adapters merged in) and its tokenizer; seed sampling once."""
-    from transformers import set_seed
-
-    device = pick_device(model_args.device)
-    dtype = pick_dtype(spec.torch_dtype, device)
-    tokenizer = load_tokenizer(spec.tokenizer_path)
-    model = load_model(spec.base_path, dtype, device, model_args.attn_impl)
-    model = apply_adapters(model, spec.adapters)
-    set_seed(seed)
-    return TransformersEngine(model, tokenizer)
+    model_path: str,
+    *,
+    tokenizer_path: str | None = None,
+    merge_adapters: tuple[str, ...] = (),
+    adapters: dict[str, str] | None = None,
+    torch_dtype: str = "auto",
+    device: str = "auto",
+    attn_impl: str = "sdpa",
+    max_num_seqs: int = 32,
+    max_model_len: int | None = None,
+    prefill_chunk_tokens: int = 1024,
+    seed: int = 0,
+    warmup: bool = True,
+) -> ContinuousEngine:
+    """Load `model_path` (a local folder or hub id: see `models.loader.resolve_model`) and
+    start its engine. `adapters` maps served names to adapter folders; `max_model_len`
+    defaults to the model's context length, at most 4096 (`continuous.DEFAULT_MAX_MODEL_LEN`)."""
+    torch_device = pick_device(device)
+    dtype = pick_dtype(torch_dtype, torch_device)
+    tokenizer = load_tokenizer(tokenizer_path or model_path)
+    model = load_model(model_path, dtype, torch_device, attn_impl)
+    model = apply_adapters(model, merge_adapters)
+    model = load_named_adapters(model, adapters or {})
+    engine = ContinuousEngine(
+        model,
+        tokenizer,
+        stop_token_ids=stop_token_ids(tokenizer, model),
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        adapters=tuple(adapters or {}),
+        seed=seed,
+    )
+    if warmup:
+        engine.warmup()
+    return engine
 
 
 def apply_adapters(model, adapters: tuple[str, ...]):
@@ -54,119 +65,46 @@ def apply_adapters(model, adapters: tuple[str, ...]):
     from peft import PeftModel
 
     for folder in adapters:
-        try:
-            with warnings.catch_warnings():
-                # peft calls a transformers API deprecated in v5; the user can do nothing about it.
-                warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
-                model = PeftModel.from_pretrained(model, folder).merge_and_unload()
-        except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            raise ModelLoadError(
-                f"--adapters {folder}: could not apply this adapter to the base model ({exc}); "
-                "was it trained on a different base model? Pass the right one with --model"
-            ) from exc
+        with _adapter_errors(f"--adapters {folder}"):
+            model = PeftModel.from_pretrained(model, folder).merge_and_unload()
     return model
 
 
-class TransformersEngine:
-    """Generation with a transformers causal LM; `model` and `tokenizer` are ready to use."""
+def load_named_adapters(model, adapters: dict[str, str]):
+    """The base model with each adapter as its own unmerged peft adapter, named as given."""
+    if not adapters:
+        return model
+    from peft import PeftModel
 
-    def __init__(self, model, tokenizer):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        # Left padding keeps every prompt's last token at the end, where generation continues.
-        self.tokenizer.padding_side = "left"
-        self.stop_token_ids = stop_token_ids(tokenizer, model)
-        self.generated_tokens = 0
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def generate(self, conversations: list[list[dict]], gen: GenerationArguments) -> list[str]:
-        """Answer each conversation; greedy when `gen.temperature == 0`, else sampled."""
-        if not conversations:
-            return []
-        inputs = self._encode(conversations)
-        with torch.inference_mode():
-            output = self.model.generate(**inputs, **self._generation_kwargs(gen))
-        rows = self._new_tokens(output, inputs["input_ids"].shape[1])
-        return [self.tokenizer.decode(row, skip_special_tokens=True) for row in rows]
-
-    def stream(self, conversation: list[dict], gen: GenerationArguments) -> Iterator[str]:
-        """Yield the answer to one conversation as text pieces while it is generated."""
-        from transformers import TextIteratorStreamer
-
-        inputs = self._encode([conversation])
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        failure: list[BaseException] = []
-        cancel = Event()
-        kwargs = self._generation_kwargs(gen)
-
-        def produce() -> None:
-            try:
-                with torch.inference_mode():
-                    output = self.model.generate(
-                        **inputs, **kwargs, streamer=streamer, stopping_criteria=_until(cancel)
-                    )
-                self._new_tokens(output, inputs["input_ids"].shape[1])
-            except BaseException as exc:  # re-raised in the caller's thread below
-                failure.append(exc)
-                streamer.end()  # unblock the consumer, which would otherwise wait forever
-
-        thread = Thread(target=produce, daemon=True)
-        thread.start()
-        try:
-            yield from streamer
-        finally:
-            # The consumer stopped early (Ctrl+C, closed generator): end generation quickly.
-            cancel.set()
-            thread.join()
-        if failure:
-            raise failure[0]
-
-    def _encode(self, conversations: list[list[dict]]) -> dict[str, torch.Tensor]:
-        texts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-            for c in conversations
-        ]
-        # The chat template already writes any BOS token; adding special tokens would double it.
-        batch = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return {key: value.to(self.device) for key, value in batch.items()}
-
-    def _generation_kwargs(self, gen: GenerationArguments) -> dict:
-        kwargs = {
-            "max_new_tokens": gen.max_new_tokens,
-            "repetition_penalty": gen.repetition_penalty,
-            "eos_token_id": self.stop_token_ids,
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "do_sample": gen.temperature > 0,
-        }
-        if gen.temperature > 0:
-            kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
-        return kwargs
-
-    def _new_tokens(self, output: torch.Tensor, prompt_length: int) -> list[list[int]]:
-        """Each row's generated ids up to (not including) its first stop token; counts them."""
-        rows = []
-        for row in output[:, prompt_length:].tolist():
-            stop = next((i for i, t in enumerate(row) if t in self.stop_token_ids), None)
-            self.generated_tokens += len(row) if stop is None else stop + 1
-            rows.append(row if stop is None else row[:stop])
-        return rows
+    for name, folder in adapters.items():
+        with _adapter_errors(f"--adapters {name}={folder}"):
+            if isinstance(model, PeftModel):
+                model.load_adapter(folder, adapter_name=name)
+            else:
+                model = PeftModel.from_pretrained(model, folder, adapter_name=name)
+    return model.eval()
 
 
-def _until(event: Event):
-    """Stopping criteria that end generation once `event` is set."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
+class _adapter_errors:
+    """Turn peft's load errors into a ModelLoadError naming the flag; hide its v5 warning."""
 
-    class Cancelled(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            done = event.is_set()
-            return torch.full(
-                (input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device
-            )
+    def __init__(self, flag: str):
+        self.flag = flag
+        self.warnings = warnings.catch_warnings()
 
-    return StoppingCriteriaList([Cancelled()])
+    def __enter__(self):
+        self.warnings.__enter__()
+        # peft calls a transformers API deprecated in v5; the user can do nothing about it.
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+
+    def __exit__(self, kind, exc, tb):
+        self.warnings.__exit__(kind, exc, tb)
+        if isinstance(exc, (OSError, ValueError, RuntimeError, KeyError)):
+            raise ModelLoadError(
+                f"{self.flag}: could not apply this adapter to the base model ({exc}); "
+                "was it trained on a different base model? Pass the right one with --model"
+            ) from exc
+        return False
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:

@@ -6,7 +6,7 @@ from swiftlm.config.paths import check_writable_file
 from swiftlm.config.rules import check
 from swiftlm.infer.batch import run_batch
 from swiftlm.infer.chat import run_chat
-from swiftlm.infer.engine import build_engine
+from swiftlm.infer.frontend import build_chat_engine
 from swiftlm.infer.resolve import resolve_inference_model
 from swiftlm.train.preflight import check_dataset_paths
 
@@ -25,8 +25,11 @@ def run(cfg: InferConfig) -> list[dict] | None:
     check_paths(cfg)
     spec = resolve_inference_model(cfg)
     print(f"Loading {spec.description}", flush=True)
-    engine = build_engine(spec, cfg.model, cfg.infer.seed)
-    if cfg.data.val_dataset:
-        return run_batch(engine, cfg, spec)
-    run_chat(engine, cfg.generation, system=spec.system, stream=cfg.infer.stream)
-    return None
+    engine = build_chat_engine(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
+    try:
+        if cfg.data.val_dataset:
+            return run_batch(engine, cfg, spec)
+        run_chat(engine, cfg.generation, system=spec.system, stream=cfg.infer.stream)
+        return None
+    finally:
+        engine.shutdown()

@@ -1,0 +1,211 @@
+"""`ContinuousEngine`: the `Engine` protocol over a transformers model, one loop thread.
+
+Callers on any thread `submit` requests and `abort` them; the loop thread owns the model and
+the `Scheduler` and runs one step (a prefill chunk and/or one decode step for every running
+row) after another while there is work, sleeping otherwise. Only the hand-over queues are
+shared, under one lock.
+"""
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from swiftlm.infer.protocol import (
+    EngineStats,
+    GenerationRequest,
+    SampleDelta,
+    SampleResult,
+    SamplingParams,
+)
+from swiftlm.infer.scheduler import Scheduler, Submitted
+
+log = logging.getLogger(__name__)
+MAX_N = 16  # samples per request at most (the server caps `n` with this too)
+DEFAULT_MAX_MODEL_LEN = 4096  # the default context cap: KV memory grows with it
+
+
+class ContinuousEngine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        stop_token_ids: list[int],
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        prefill_chunk_tokens: int = 1024,
+        adapters: tuple[str, ...] = (),
+        seed: int = 0,
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.adapters = tuple(adapters)
+        max_model_len = max_model_len or default_max_model_len(model)
+        self.scheduler = Scheduler(
+            model,
+            tokenizer,
+            stop_token_ids=stop_token_ids,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            adapters=adapters,
+            seed=seed,
+        )
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.generated_tokens = 0  # all samples, for throughput reports
+        self._lock = threading.Condition()
+        self._incoming: list[Submitted] = []
+        self._aborted: set[str] = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="swiftlm-engine", daemon=True)
+        self._thread.start()
+
+    # -- the Engine protocol ----------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_delta: Callable[[SampleDelta], None]) -> None:
+        self.validate(request)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down")
+            self._incoming.append(Submitted(request, self._counting(on_delta)))
+            self._lock.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborted.add(request_id)
+            self._lock.notify()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
+        collectors = [_Collector(r.params.n) for r in requests]
+        for request in requests:
+            self.validate(request)
+        for request, collector in zip(requests, collectors, strict=True):
+            self.submit(request, collector.add)
+        return [collector.wait() for collector in collectors]
+
+    def warmup(self) -> None:
+        """Run a full batch for a few tokens: the first forwards of a shape are slow on a
+        CPU (oneDNN builds its kernels), and that should not land on the first client."""
+        prompt = [self.tokenizer.eos_token_id or 0] * max(1, min(16, self.max_model_len - 2))
+        # A seed of its own: the warm-up leaves the engine's seed stream as it was.
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0)
+        self.generate([GenerationRequest(prompt, params) for _ in range(self.max_num_seqs)])
+        self.generated_tokens = 0
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            waiting = len(self._incoming) + len(self.scheduler.waiting)
+            running = self.scheduler.running_count()
+        return EngineStats(running, waiting, self.max_num_seqs, self.max_model_len)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join()
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise ValueError naming the first problem that stops `request` from running."""
+        problem = request.params.check(max_n=min(MAX_N, self.max_num_seqs))
+        if problem:
+            raise ValueError(problem)
+        prompt = request.prompt_ids
+        if not prompt:
+            raise ValueError("prompt: it has no tokens")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt) + request.params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens {request.params.max_tokens}: the prompt's {len(prompt)} tokens "
+                f"plus max_tokens exceed the context length max_model_len {self.max_model_len}"
+            )
+        if request.adapter is not None and request.adapter not in self.adapters:
+            served = ", ".join(self.adapters) or "none"
+            raise ValueError(f"adapter {request.adapter!r}: not served (adapters: {served})")
+
+    # -- the loop thread ------------------------------------------------------------------------
+
+    def _counting(self, on_delta: Callable[[SampleDelta], None]) -> Callable[[SampleDelta], None]:
+        def counted(delta: SampleDelta) -> None:
+            self.generated_tokens += len(delta.token_ids)
+            on_delta(delta)
+
+        return counted
+
+    def _loop(self) -> None:
+        scheduler = self.scheduler
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not (
+                        self._incoming or self._aborted or self._stopping or scheduler.has_work()
+                    ):
+                        self._lock.wait()
+                    incoming, self._incoming = self._incoming, []
+                    aborted, self._aborted = self._aborted, set()
+                    stopping = self._stopping
+                scheduler.waiting.extend(incoming)
+                if stopping:
+                    scheduler.abort_all()
+                    return
+                if aborted:
+                    scheduler.abort(aborted)
+                self._step(scheduler)
+
+    def _step(self, scheduler: Scheduler) -> None:
+        try:
+            scheduler.step()
+        except Exception as exc:
+            # A failed forward leaves the batch unusable: end what runs, keep serving.
+            log.exception("the engine step failed; aborting the running requests")
+            scheduler.abort_all(error=f"{type(exc).__name__}: {exc}")
+
+
+def default_max_model_len(model) -> int:
+    """The model's context length, at most `DEFAULT_MAX_MODEL_LEN` and, for a model with
+    sliding-window layers, at most the window: the batch cache keeps every layer whole, which
+    is only right while no sequence outgrows the window."""
+    config = model.config.get_text_config()
+    context = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    window = getattr(config, "sliding_window", None)
+    sliding = window and any("sliding" in t for t in getattr(config, "layer_types", None) or ())
+    if sliding or (window and getattr(config, "use_sliding_window", True)):
+        context = min(context, window)
+    return min(context, DEFAULT_MAX_MODEL_LEN)
+
+
+class _Collector:
+    """Gathers the deltas of one request's samples into `SampleResult`s."""
+
+    def __init__(self, n: int):
+        self.results = [SampleResult(i, [], "", [], "") for i in range(n)]
+        self.open = n
+        self.error: str | None = None
+        self.done = threading.Event()
+
+    def add(self, delta: SampleDelta) -> None:
+        result = self.results[delta.index]
+        result.token_ids += delta.token_ids
+        result.text += delta.text
+        result.logprobs += delta.logprobs
+        if delta.error:
+            self.error = delta.error
+        if delta.finish_reason:
+            result.finish_reason = delta.finish_reason
+            self.open -= 1
+            if self.open == 0:
+                self.done.set()
+
+    def wait(self) -> list[SampleResult]:
+        """The samples; raises RuntimeError if the engine failed while generating them."""
+        self.done.wait()
+        if self.error:
+            raise RuntimeError(f"generation failed: {self.error}")
+        return self.results

@@ -1,0 +1,118 @@
+"""`swiftlm infer`'s view of the engine: conversations in, answers (or streamed text) out.
+
+`ChatEngine` renders conversations with the chat template and sends them to the
+continuous-batching engine: `generate` submits every conversation at once (the engine
+batches them step by step), `stream` yields one answer's text as it is decoded.
+"""
+
+import queue
+from collections.abc import Iterator
+from typing import Protocol
+
+from swiftlm.config import GenerationArguments, ModelArguments
+from swiftlm.infer.continuous import ContinuousEngine
+from swiftlm.infer.engine import build_engine
+from swiftlm.infer.protocol import GenerationRequest, SampleDelta, SamplingParams
+from swiftlm.infer.resolve import InferenceModel
+
+
+class InferEngine(Protocol):
+    """What the chat and batch front ends need from an engine."""
+
+    generated_tokens: int  # new tokens produced so far (for throughput reports)
+
+    def generate(self, conversations: list[list[dict]], gen: GenerationArguments) -> list[str]: ...
+
+    def stream(self, conversation: list[dict], gen: GenerationArguments) -> Iterator[str]: ...
+
+
+def build_chat_engine(
+    spec: InferenceModel, model_args: ModelArguments, seed: int, max_num_seqs: int = 32
+) -> "ChatEngine":
+    """The model of `spec` with its adapters merged in (infer serves one model)."""
+    engine = build_engine(
+        spec.base_path,
+        tokenizer_path=spec.tokenizer_path,
+        merge_adapters=spec.adapters,
+        torch_dtype=spec.torch_dtype,
+        device=model_args.device,
+        attn_impl=model_args.attn_impl,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+    )
+    return ChatEngine(engine)
+
+
+class ChatEngine:
+    def __init__(self, engine: ContinuousEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return self.engine.stop_token_ids
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.engine.generated_tokens
+
+    def generate(self, conversations: list[list[dict]], gen: GenerationArguments) -> list[str]:
+        """Answer each conversation; greedy when `gen.temperature == 0`, else sampled."""
+        requests = [self.request(c, gen) for c in conversations]
+        return [samples[0].text for samples in self.engine.generate(requests)]
+
+    def stream(self, conversation: list[dict], gen: GenerationArguments) -> Iterator[str]:
+        """Yield the answer's text piece by piece; closing the generator aborts it."""
+        request = self.request(conversation, gen)
+        deltas: queue.Queue[SampleDelta] = queue.Queue()
+        self.engine.submit(request, deltas.put)
+        finished = False
+        try:
+            while not finished:
+                delta = deltas.get()
+                finished = delta.finish_reason is not None
+                if delta.error:
+                    raise RuntimeError(f"generation failed: {delta.error}")
+                if delta.text:
+                    yield delta.text
+        finally:
+            if not finished:  # the consumer stopped early (Ctrl+C, closed generator)
+                self.engine.abort(request.request_id)
+
+    def request(self, conversation: list[dict], gen: GenerationArguments) -> GenerationRequest:
+        ids = self.encode(conversation)
+        room = self.engine.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(
+                f"a prompt of {len(ids)} tokens leaves no room to answer within the context "
+                f"length of {self.engine.max_model_len} tokens"
+            )
+        return GenerationRequest(
+            ids, sampling_params(gen, max_tokens=min(gen.max_new_tokens, room))
+        )
+
+    def encode(self, conversation: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+        # The chat template already writes any BOS token; adding special tokens would double it.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def sampling_params(gen: GenerationArguments, max_tokens: int) -> SamplingParams:
+    """`--temperature` etc. as engine sampling; top-p/top-k only apply when sampling."""
+    sampled = gen.temperature > 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p if sampled else 1.0,
+        top_k=gen.top_k if sampled else 0,
+        repetition_penalty=gen.repetition_penalty,
+    )

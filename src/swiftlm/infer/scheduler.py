@@ -1,0 +1,273 @@
+"""The batch the engine loop works on: waiting requests, one prefilling group, running rows.
+
+One `step()` of the loop:
+1. admit: if no group is prefilling, take waiting requests (FIFO) while their samples fit in
+   `max_num_seqs` slots, as one left-padded group;
+2. prefill one chunk of that group (at most `prefill_chunk_tokens` padded tokens), so a long
+   prompt is spread over several steps and running streams keep getting tokens in between;
+   when the group's prompts are all in its cache, sample each sample's first token, copy the
+   rows n times for n samples, and merge them into the running batch's cache;
+3. one decode step for every running row: one forward over the left-padded batch with per-row
+   position ids and a 2D padding mask, per-row sampling, deltas out, finished rows dropped.
+
+Requests that use different adapters share the forward through peft's per-row
+`adapter_names`; rows on the base model use peft's "__base__".
+"""
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from swiftlm.infer.detokenize import IncrementalText, StopText
+from swiftlm.infer.kvcache import BatchKV
+from swiftlm.infer.protocol import GenerationRequest, SampleDelta
+from swiftlm.infer.sampling import RowState, chosen_logprobs, make_generator, next_tokens
+from swiftlm.infer.sequence import Sequence
+
+log = logging.getLogger(__name__)
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+@dataclass
+class Submitted:
+    request: GenerationRequest
+    on_delta: Callable[[SampleDelta], None]
+
+
+@dataclass
+class PrefillGroup:
+    """Requests whose prompts are being written into their own cache, chunk by chunk."""
+
+    items: list[Submitted]
+    ids: torch.Tensor  # [rows, columns], prompts left-padded
+    mask: torch.Tensor  # 1 where a real token is
+    positions: torch.Tensor
+    kv: BatchKV
+    done: int = 0  # columns already in the cache
+
+    @property
+    def samples(self) -> int:
+        return sum(item.request.params.n for item in self.items)
+
+
+class Scheduler:
+    """Owned by the engine's loop thread: nothing here is locked."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        stop_token_ids,
+        max_num_seqs: int,
+        max_model_len: int,
+        prefill_chunk_tokens: int,
+        adapters,
+        seed: int,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.adapters = frozenset(adapters)
+        self.seeds = random.Random(seed)  # seeds of requests that bring none
+        self.device = next(model.parameters()).device
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.waiting: deque[Submitted] = deque()
+        self.group: PrefillGroup | None = None
+        self.running: list[Sequence] = []
+        self.kv = BatchKV(self.num_layers, 0, self.device)
+
+    # -- what there is to do --------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.group or self.running)
+
+    def running_count(self) -> int:
+        """Slots in use; also read by other threads, so `group` is read once."""
+        group = self.group
+        return len(self.running) + (group.samples if group else 0)
+
+    def step(self) -> None:
+        if self.group is None:
+            self.group = self._admit()
+        if self.group is not None:
+            self._prefill_chunk()
+        if self.running:
+            self._decode()
+
+    # -- aborts ------------------------------------------------------------------------------
+
+    def abort(self, request_ids: set[str], error: str | None = None) -> None:
+        """Finish the samples of `request_ids` with "abort" and free their rows now;
+        `error` says why when the engine, not the caller, ended them."""
+        for item in [s for s in self.waiting if s.request.request_id in request_ids]:
+            self.waiting.remove(item)
+            _abort_submitted(item, error)
+        group = self.group
+        if group is not None and any(i.request.request_id in request_ids for i in group.items):
+            # Finishing the prefill just to throw it away would waste work: restart the others.
+            self.group = None
+            kept = [i for i in group.items if i.request.request_id not in request_ids]
+            self.waiting.extendleft(reversed(kept))
+            for item in group.items:
+                if item.request.request_id in request_ids:
+                    _abort_submitted(item, error)
+        for seq in self.running:
+            if seq.request_id in request_ids and seq.finish_reason is None:
+                self._emit(seq, seq.abort(error))
+        self._drop_finished()
+
+    def abort_all(self, error: str | None = None) -> None:
+        ids = {s.request.request_id for s in self.waiting}
+        ids |= {s.request_id for s in self.running}
+        ids |= {i.request.request_id for i in self.group.items} if self.group else set()
+        self.abort(ids, error)
+
+    # -- admission and prefill -------------------------------------------------------------
+
+    def _admit(self) -> PrefillGroup | None:
+        free = self.max_num_seqs - len(self.running)
+        items: list[Submitted] = []
+        while self.waiting and self.waiting[0].request.params.n <= free:
+            item = self.waiting.popleft()
+            free -= item.request.params.n
+            items.append(item)
+        if not items:
+            return None
+        prompts = [item.request.prompt_ids for item in items]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        kv = BatchKV(self.num_layers, len(prompts), self.device)
+        return PrefillGroup(items, ids, mask, positions, kv)
+
+    def _prefill_chunk(self) -> None:
+        group = self.group
+        rows, width = group.ids.shape
+        columns = max(1, self.prefill_chunk_tokens // rows)
+        end = min(width, group.done + columns)
+        span = slice(group.done, end)
+        adapters = [item.request.adapter for item in group.items]
+        logits = self._forward(
+            group.ids[:, span], group.mask[:, span], group.positions[:, span], group.kv, adapters
+        )
+        group.done = end
+        if end < width:
+            return
+        self.group = None
+        self._start_sequences(group, logits)
+
+    def _start_sequences(self, group: PrefillGroup, logits: torch.Tensor) -> None:
+        """Sample each sample's first token from its prompt's logits; the unfinished rows
+        join the running batch."""
+        counts = torch.tensor([item.request.params.n for item in group.items])
+        if bool((counts > 1).any()):
+            group.kv.repeat_rows(counts)
+            logits = logits.repeat_interleave(counts, dim=0)
+        sequences = [
+            self._new_sequence(item, index)
+            for item in group.items
+            for index in range(item.request.params.n)
+        ]
+        self._advance(sequences, logits)
+        keep = [i for i, seq in enumerate(sequences) if seq.finish_reason is None]
+        if not keep:
+            return
+        group.kv.select(torch.tensor(keep))
+        self.kv.merge(group.kv)
+        self.running += [sequences[i] for i in keep]
+
+    def _new_sequence(self, item: Submitted, index: int) -> Sequence:
+        request, params = item.request, item.request.params
+        seed = params.seed + index if params.seed is not None else self.seeds.getrandbits(63)
+        room = self.max_model_len - len(request.prompt_ids)
+        return Sequence(
+            request=request,
+            index=index,
+            on_delta=item.on_delta,
+            row=RowState(params, list(request.prompt_ids), make_generator(seed)),
+            detokenizer=IncrementalText(self.tokenizer),
+            stop_text=StopText(params.stop),
+            max_new_tokens=min(params.max_tokens, room),
+            # ignore_eos drops the model's end-of-turn tokens, not the ones the request names.
+            stop_token_ids=frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else self.stop_token_ids),
+        )
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        ids = torch.tensor([[seq.last_token] for seq in self.running])
+        positions = torch.tensor([[seq.position] for seq in self.running])
+        adapters = [seq.adapter for seq in self.running]
+        logits = self._forward(ids, torch.ones_like(ids), positions, self.kv, adapters)
+        self._advance(self.running, logits)
+        self._drop_finished()
+
+    def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence and send each its delta."""
+        rows = [seq.row for seq in sequences]
+        chosen = next_tokens(logits, rows)
+        logprobs = chosen_logprobs(logits, chosen, rows)
+        for seq, token, logprob in zip(sequences, chosen.tolist(), logprobs, strict=True):
+            self._emit(seq, seq.accept(token, logprob))
+
+    def _emit(self, seq: Sequence, delta: SampleDelta) -> None:
+        if not _send(seq.on_delta, delta) and seq.finish_reason is None:
+            # A caller whose callback fails is gone: stop spending compute on it.
+            seq.finish_reason = "abort"
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, seq in enumerate(self.running) if seq.finish_reason is None]
+        if len(keep) == len(self.running):
+            return
+        self.running = [self.running[i] for i in keep]
+        if keep:
+            self.kv.select(torch.tensor(keep))
+        else:
+            self.kv = BatchKV(self.num_layers, 0, self.device)
+
+    def _forward(self, ids, new_mask, positions, kv: BatchKV, adapters) -> torch.Tensor:
+        """Logits of each row's last column, float32 on the CPU; `kv` grows by the columns."""
+        mask = kv.extend_mask(new_mask.to(self.device))
+        extra = {}
+        if self.adapters:
+            extra["adapter_names"] = [a or BASE_ADAPTER for a in adapters]
+        output = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask,
+            position_ids=positions.to(self.device),
+            cache=kv.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **extra,
+        )
+        return output.logits[:, -1].float().cpu()
+
+
+def _abort_submitted(item: Submitted, error: str | None) -> None:
+    """End every sample of a request that has no sequence yet."""
+    request_id = item.request.request_id
+    for index in range(item.request.params.n):
+        _send(item.on_delta, SampleDelta(request_id, index, (), "", (), "abort", error))
+
+
+def _send(on_delta: Callable[[SampleDelta], None], delta: SampleDelta) -> bool:
+    """Deliver a delta; a failing callback is logged, never allowed to stop the loop."""
+    try:
+        on_delta(delta)
+        return True
+    except Exception:
+        log.exception("a delta callback failed for request %s", delta.request_id)
+        return False

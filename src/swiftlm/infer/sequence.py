@@ -1,0 +1,69 @@
+"""One sample being generated: its tokens, text, stop rules and where its deltas go."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from swiftlm.infer.detokenize import IncrementalText, StopText
+from swiftlm.infer.protocol import GenerationRequest, SampleDelta, TokenLogprob
+from swiftlm.infer.sampling import RowState
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    index: int  # which of the request's n samples
+    on_delta: Callable[[SampleDelta], None]
+    row: RowState
+    detokenizer: IncrementalText
+    stop_text: StopText
+    max_new_tokens: int  # max_tokens, lowered where the context would run out
+    stop_token_ids: frozenset[int]  # the model's end-of-turn ids and the request's own
+    finish_reason: str | None = None
+    last_token: int = -1  # the next decode step's input
+    failed_callback: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def adapter(self) -> str | None:
+        return self.request.adapter
+
+    @property
+    def position(self) -> int:
+        """Position id of `last_token`: the tokens before it in this sequence."""
+        return len(self.row.prompt_ids) + len(self.row.output_ids) - 1
+
+    def accept(self, token: int, logprob: TokenLogprob | None) -> SampleDelta:
+        """Add a generated token; return the delta to send (with finish_reason if it ended)."""
+        self.row.output_ids.append(token)
+        self.last_token = token
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        text = self._text_of(token)
+        if self.finish_reason is None and len(self.row.output_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            text += self.stop_text.flush()  # held-back text that no stop string completed
+        logprobs = (logprob,) if logprob is not None else ()
+        return self._delta((token,), text, logprobs)
+
+    def _text_of(self, token: int) -> str:
+        if token in self.stop_token_ids:
+            self.finish_reason = "stop"
+            return ""  # an end-of-turn token ends the answer; it is not part of the text
+        text = self.stop_text.push(self.detokenizer.add(token))
+        if self.stop_text.stopped:
+            self.finish_reason = "stop"
+        return text
+
+    def abort(self, error: str | None = None) -> SampleDelta:
+        self.finish_reason = "abort"
+        return self._delta((), self.stop_text.flush(), (), error)
+
+    def _delta(self, token_ids, text, logprobs, error=None) -> SampleDelta:
+        return SampleDelta(
+            self.request_id, self.index, token_ids, text, logprobs, self.finish_reason, error
+        )
