@@ -163,7 +163,7 @@ def help_text(command: str, capsys) -> str:
     "`swiftlm infer --dataset x`), as a flag or a YAML key",
     outcome="Error: the flag is not used by that subcommand; its `--help` does not list it",
 )
-@pytest.mark.parametrize("command", ["sft", "pt", "infer", "export"])
+@pytest.mark.parametrize("command", ["sft", "pt", "infer", "export", "deploy"])
 def test_help_lists_only_the_flags_a_command_uses(command, capsys, tmp_path):
     text = help_text(command, capsys)
     listed = {line.split()[0][2:] for line in text.splitlines() if line.startswith("  --")}
@@ -181,9 +181,15 @@ def test_help_lists_only_the_flags_a_command_uses(command, capsys, tmp_path):
 
 
 def test_unused_flags_tables_name_real_flags():
-    from swiftlm.config import ExportConfig, InferConfig
+    from swiftlm.config import DeployConfig, ExportConfig, InferConfig
 
-    configs = {"sft": TrainConfig, "pt": TrainConfig, "infer": InferConfig, "export": ExportConfig}
+    configs = {
+        "sft": TrainConfig,
+        "pt": TrainConfig,
+        "infer": InferConfig,
+        "export": ExportConfig,
+        "deploy": DeployConfig,
+    }
     for command, unused in UNUSED_FLAGS.items():
         assert unused <= set(flag_owners(configs[command])), command
 

@@ -27,6 +27,11 @@ COMMANDS = {
         "Write a model for serving elsewhere, checked: --merge_lora, --to_gguf/--to_ollama, "
         "--quant_method, --to_onnx.",
     ),
+    "deploy": (
+        "DeployConfig",
+        "swiftlm.serve.run",
+        "Serve a model and its adapters over an OpenAI-compatible HTTP API.",
+    ),
 }
 
 

@@ -1,15 +1,21 @@
 """Command configs, each a composition of typed sections.
 
 - `sections.py` (training, model, data, quantization) and `sections_infer.py` (generation,
-  inference, export): the sections; each checks its own fields (`checks.py`) when built;
-- `commands.py`: the configs of `swiftlm sft/pt`, `infer` and `export`, and the flags each
+  inference, export) and `sections_serve.py` (deploy): the sections; each checks its own fields (`checks.py`) when built;
+- `commands.py`: the configs of `swiftlm sft/pt`, `infer`, `export` and `deploy`, and the flags each
   command leaves out (`UNUSED_FLAGS`);
 - `argv.py`: repeated and aliased flags resolved before argparse;
 - `rules.py`: every rule between flags, run once by a command with `rules.check(cfg)`;
 - `parse.py`: a config from a YAML file plus flags, and back to config.yaml.
 """
 
-from swiftlm.config.commands import UNUSED_FLAGS, ExportConfig, InferConfig, TrainConfig
+from swiftlm.config.commands import (
+    UNUSED_FLAGS,
+    DeployConfig,
+    ExportConfig,
+    InferConfig,
+    TrainConfig,
+)
 from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
     DataArguments,
@@ -21,9 +27,12 @@ from swiftlm.config.sections import (
     TunerArguments,
 )
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
+from swiftlm.config.sections_serve import DeployArguments
 
 __all__ = [
     "DataArguments",
+    "DeployArguments",
+    "DeployConfig",
     "DistArguments",
     "ExportArguments",
     "ExportConfig",

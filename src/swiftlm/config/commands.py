@@ -12,6 +12,7 @@ from swiftlm.config.sections import (
     TunerArguments,
 )
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
+from swiftlm.config.sections_serve import DeployArguments
 
 
 @dataclass
@@ -48,6 +49,16 @@ class ExportConfig:
     quant: QuantArguments = field(default_factory=QuantArguments)
 
 
+@dataclass
+class DeployConfig:
+    """`swiftlm deploy`: a model (or run) and its adapters, served over an OpenAI-compatible API."""
+
+    model: ModelArguments = field(default_factory=ModelArguments)
+    data: DataArguments = field(default_factory=DataArguments)  # only --system is used
+    infer: InferArguments = field(default_factory=InferArguments)
+    deploy: DeployArguments = field(default_factory=DeployArguments)
+
+
 # Flags of a command's config that the command does not use: left out of its parser and
 # `--help`, and an error when given (flag or YAML key). A test runs each command's parser.
 _EXPORT_ONLY = frozenset({"group_size", "quant_n_samples"})
@@ -79,6 +90,23 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "max_batch_size",
             "stream",
             "seed",
+        }
+    ),
+    # Requests bring their own prompts and sampling; --system is the one data flag kept.
+    "deploy": frozenset(
+        {
+            "dataset",
+            "val_dataset",
+            "split_dataset_ratio",
+            "max_length",
+            "truncation_strategy",
+            "loss_scope",
+            "skip_bad_rows",
+            "data_seed",
+            "load_from_cache_file",
+            "result_path",
+            "max_batch_size",
+            "stream",
         }
     ),
 }

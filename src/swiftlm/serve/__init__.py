@@ -1,0 +1,12 @@
+"""`swiftlm deploy`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+- `app.py`: the FastAPI app factory and its routes; `completions.py`: the two generation routes;
+- `schemas.py`: request bodies; `translate.py`: requests -> engine requests (checks included);
+- `generation.py`: engine deltas into the event loop (queue bound, timeout, disconnects);
+- `responses.py`: OpenAI response bodies and stream chunks; `errors.py`: OpenAI error objects;
+- `guard.py` + `auth.py`: API keys, body size, shutdown; `metrics.py`: Prometheus metrics;
+- `run.py`: the command (load, serve, drain on SIGTERM).
+
+Needs the `serve` extra (fastapi, uvicorn, prometheus-client); importing this package alone
+does not.
+"""

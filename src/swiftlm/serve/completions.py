@@ -1,0 +1,222 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: validate, run on the engine, answer
+whole or as a server-sent-event stream."""
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from swiftlm.infer.protocol import Engine, GenerationRequest, SampleDelta, SamplingParams
+from swiftlm.serve import responses as r
+from swiftlm.serve.errors import APIError, error_body
+from swiftlm.serve.generation import (
+    ClientDisconnected,
+    DeltaStream,
+    Limits,
+    Sample,
+    abort_all,
+    admit,
+    now_s,
+    run_on_engine,
+    submit,
+)
+from swiftlm.serve.metrics import RequestTimer, ServerMetrics
+from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest
+from swiftlm.serve.translate import (
+    ServedModels,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    reject_unsupported,
+    sampling_params,
+)
+
+
+@dataclass
+class Job:
+    """One HTTP request's work on the engine: its prompts, submitted and timed."""
+
+    engine: Engine
+    requests: list[GenerationRequest]
+    limits: Limits
+    metrics: ServerMetrics
+    model: str
+    endpoint: str
+    http: Request
+    stream: DeltaStream = field(init=False)  # set by start()
+    timer: RequestTimer = field(init=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(g.prompt_ids) for g in self.requests)
+
+    @property
+    def choices(self) -> int:
+        return sum(g.params.n for g in self.requests)
+
+    def start(self) -> "Job":
+        """Queue the prompts, or answer 429 (queue full) / 400 (the engine refuses them) while
+        the response status can still say so."""
+        admit(self.engine, self.limits)
+        self.stream = submit(self.engine, self.requests)
+        self.timer = self.metrics.track(self.model, self.endpoint, self.prompt_tokens)
+        return self
+
+    async def deltas(self) -> AsyncIterator[tuple[int, SampleDelta]]:
+        """(choice index, delta) of every sample; 503 if the engine aborts them itself."""
+        items = run_on_engine(
+            self.engine, self.stream, self.limits, self.http.is_disconnected, self.timer.observe
+        )
+        async for choice, delta in items:
+            if delta.finish_reason == "abort":
+                raise APIError(503, "the request was aborted: the engine is shutting down")
+            yield choice, delta
+        self.timer.finish()
+
+    def abort_unfinished(self) -> None:
+        if self.stream.unfinished:
+            abort_all(self.engine, self.stream)
+
+    async def samples(self) -> list[Sample]:
+        samples = [Sample(i) for i in range(self.choices)]
+        try:
+            async for choice, delta in self.deltas():
+                samples[choice].add(delta)
+        except ClientDisconnected:
+            raise APIError(400, "the client disconnected before the answer was ready") from None
+        return samples
+
+
+class Completions:
+    """The two generation routes of one app."""
+
+    def __init__(self, engine, tokenizer, models: ServedModels, metrics, settings):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.models = models
+        self.metrics = metrics
+        self.settings = settings
+        self.texts = r.TokenTexts(tokenizer)
+        self.limits = Limits(settings.max_queued_requests, settings.request_timeout)
+
+    def _params(self, body, prompt_ids: list[int]) -> SamplingParams:
+        max_model_len = self.engine.stats().max_model_len
+        return sampling_params(body, len(prompt_ids), max_model_len, self.settings.max_n)
+
+    def _job(self, body, http: Request, endpoint: str, prompts: list[list[int]]) -> Job:
+        adapter = self.models.adapter_for(body.model)
+        requests = [GenerationRequest(ids, self._params(body, ids), adapter) for ids in prompts]
+        job = Job(self.engine, requests, self.limits, self.metrics, body.model, endpoint, http)
+        return job.start()
+
+    async def chat(self, body: ChatCompletionRequest, http: Request):
+        reject_unsupported(body)
+        self.models.adapter_for(body.model)  # 404 before any tokenizing
+        # Off the event loop: rendering and tokenizing a long conversation takes a while.
+        ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, body, self.settings.system)
+        job = self._job(body, http, "chat", [ids])
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now_s()
+        texts = self.texts if body.logprobs else None
+        if body.stream:
+            events = self._chat_events(job, request_id, created, texts, body.include_usage())
+            return event_stream(events, job)
+        samples = await job.samples()
+        return r.chat_completion(request_id, body.model, created, samples, len(ids), texts)
+
+    async def _chat_events(self, job: Job, request_id, created, texts, include_usage):
+        def chunk(choices: list[dict]) -> str:
+            return r.sse(r.chat_chunk(request_id, job.model, created, choices))
+
+        opened: set[int] = set()  # choices whose first chunk (with the role) has gone out
+        completion_tokens = 0
+        async for choice, delta in job.deltas():
+            completion_tokens += len(delta.token_ids)
+            if choice not in opened:
+                opened.add(choice)
+                yield chunk([r.chat_chunk_choice(choice, {"role": "assistant", "content": ""})])
+            if not (delta.text or delta.finish_reason or delta.logprobs):
+                continue
+            logprobs = r.chat_logprobs(delta.logprobs, texts) if texts else None
+            content = {"content": delta.text} if delta.text else {}
+            yield chunk([r.chat_chunk_choice(choice, content, logprobs, delta.finish_reason)])
+        if include_usage:
+            usage = r.usage(job.prompt_tokens, completion_tokens)
+            yield r.sse({**r.chat_chunk(request_id, job.model, created, []), "usage": usage})
+
+    async def complete(self, body: CompletionRequest, http: Request):
+        reject_unsupported(body)
+        if body.echo:
+            raise APIError(400, "'echo': true is not supported", param="echo")
+        self.models.adapter_for(body.model)
+        prompts = [
+            await asyncio.to_thread(completion_prompt_ids, self.tokenizer, text)
+            for text in body.prompts()
+        ]
+        job = self._job(body, http, "completions", prompts)
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", now_s()
+        logprobs = None if body.logprobs is None else (self.texts, body.logprobs)
+        if body.stream:
+            events = self._completion_events(job, request_id, created, logprobs, body)
+            return event_stream(events, job)
+        samples = await job.samples()
+        return r.completion(request_id, body.model, created, samples, job.prompt_tokens, logprobs)
+
+    async def _completion_events(self, job: Job, request_id, created, logprobs, body):
+        completion_tokens = 0
+        offsets = [0] * job.choices  # where each choice's next token starts in its text
+        async for choice, delta in job.deltas():
+            completion_tokens += len(delta.token_ids)
+            if not (delta.text or delta.finish_reason or delta.logprobs):
+                continue
+            entry_logprobs = None
+            if logprobs:
+                entry_logprobs = r.completion_logprobs(delta.logprobs, *logprobs, offsets[choice])
+                offsets[choice] += sum(len(t) for t in entry_logprobs["tokens"])
+            entry = {
+                "index": choice,
+                "text": delta.text,
+                "logprobs": entry_logprobs,
+                "finish_reason": delta.finish_reason,
+            }
+            yield r.sse(r.completion_chunk(request_id, job.model, created, [entry]))
+        if body.include_usage():
+            usage = r.usage(job.prompt_tokens, completion_tokens)
+            yield r.sse({**r.completion_chunk(request_id, job.model, created, []), "usage": usage})
+
+
+class JobStreamingResponse(StreamingResponse):
+    """A stream that, however it ends, aborts what is left of its job in the engine: also when
+    the client left before the first event, when the event generator never started (and so
+    never ran its own cleanup)."""
+
+    def __init__(self, content, job: Job, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.abort_unfinished()
+
+
+def event_stream(events: AsyncIterator[str], job: Job) -> StreamingResponse:
+    """Server-sent events ending with `data: [DONE]`. An error after the stream has started
+    (a timeout, the engine stopping) can no longer change the status: it goes out as an
+    error event, then [DONE]. A client that leaves ends the generator, which aborts the
+    request in the engine."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except APIError as exc:
+            yield r.sse(error_body(exc.status, exc.message, exc.param, exc.code))
+        except ClientDisconnected:
+            return
+        yield r.sse("[DONE]")
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return JobStreamingResponse(guarded(), job, media_type="text/event-stream", headers=headers)

@@ -1,0 +1,85 @@
+"""Prometheus metrics of one server (`GET /metrics`), in a registry of its own so that several
+apps (tests) can live in one process."""
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from swiftlm.infer.protocol import Engine, SampleDelta
+
+# Seconds; from a fast GPU's first token to a slow CPU's long answer.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "swiftlm_requests", "Generation requests admitted.", ["model", "endpoint"], registry=r
+        )
+        self.responses = Counter(
+            "swiftlm_http_responses", "HTTP responses by status code.", ["status"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "swiftlm_prompt_tokens", "Prompt tokens of admitted requests.", ["model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "swiftlm_generation_tokens", "Tokens generated.", ["model"], registry=r
+        )
+        queue = Gauge("swiftlm_queue_depth", "Requests waiting for a batch slot.", registry=r)
+        queue.set_function(lambda: engine.stats().waiting)
+        running = Gauge("swiftlm_running_sequences", "Sequences decoding now.", registry=r)
+        running.set_function(lambda: engine.stats().running)
+        self.time_to_first_token = self._histogram(
+            "swiftlm_time_to_first_token_seconds", "From admission to a sample's first token."
+        )
+        self.inter_token_latency = self._histogram(
+            "swiftlm_inter_token_latency_seconds", "Between consecutive tokens of a sample."
+        )
+        self.request_latency = self._histogram(
+            "swiftlm_e2e_request_latency_seconds", "From admission to the last token."
+        )
+
+    def _histogram(self, name: str, text: str) -> Histogram:
+        return Histogram(name, text, ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def count_response(self, status: int) -> None:
+        self.responses.labels(str(status)).inc()
+
+    def track(self, model: str, endpoint: str, prompt_tokens: int) -> "RequestTimer":
+        self.requests.labels(model, endpoint).inc()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        return RequestTimer(self, model)
+
+
+class RequestTimer:
+    """Times one request's samples as their deltas arrive."""
+
+    def __init__(self, metrics: ServerMetrics, model: str):
+        self.metrics = metrics
+        self.model = model
+        self.start = time.perf_counter()
+        self.last_token_at: dict[int, float] = {}  # choice index -> when its last token came
+
+    def observe(self, choice: int, delta: SampleDelta) -> None:
+        now = time.perf_counter()
+        count = len(delta.token_ids)
+        if count:
+            self.metrics.generation_tokens.labels(self.model).inc(count)
+            previous = self.last_token_at.get(choice)
+            if previous is None:
+                self.metrics.time_to_first_token.labels(self.model).observe(now - self.start)
+            else:
+                # A step may bring several tokens; each gets an equal share of the gap.
+                for _ in range(count):
+                    self.metrics.inter_token_latency.labels(self.model).observe(
+                        (now - previous) / count
+                    )
+            self.last_token_at[choice] = now
+
+    def finish(self) -> None:
+        self.metrics.request_latency.labels(self.model).observe(time.perf_counter() - self.start)

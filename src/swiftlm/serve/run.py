@@ -1,0 +1,125 @@
+"""`swiftlm deploy`: load a model and its adapters, serve them over an OpenAI-compatible API.
+
+SIGTERM drains: new requests get 503, running ones finish (up to --shutdown_timeout), the
+process exits 0.
+"""
+
+import signal
+import socket
+
+from swiftlm.checkpoint.targets import check_weights_folders
+from swiftlm.config import DeployConfig
+from swiftlm.errors import ConfigError
+from swiftlm.serve.models import DeployPlan, parse_adapters, plan_deployment
+
+INSTALL_HINT = "pip install 'swiftlm[serve]'"
+
+
+def require_serve_extra() -> None:
+    missing = []
+    for name in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ConfigError(
+            f"swiftlm deploy needs {', '.join(missing)}, which could not be imported; install "
+            f"the serve extra with `{INSTALL_HINT}`"
+        )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads when the address is taken (or not this machine's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"--host {host} --port {port}: cannot listen there ({exc.strerror}); pick "
+                "another --port, or stop what uses it"
+            ) from None
+
+
+def run(cfg: DeployConfig) -> None:
+    require_serve_extra()  # before minutes of model loading
+    check_port_free(cfg.deploy.host, cfg.deploy.port)
+    check_weights_folders(cfg.infer.ckpt_dir, list(parse_adapters(cfg.infer.adapters).values()))
+    plan = plan_deployment(cfg)
+    print(f"Loading {plan.spec.description}", flush=True)
+    engine = start_engine(cfg, plan)
+    try:
+        serve(cfg, plan, engine)
+    finally:
+        engine.shutdown()
+    print("swiftlm deploy: stopped", flush=True)
+
+
+def start_engine(cfg: DeployConfig, plan: DeployPlan):
+    from swiftlm.infer.engine import build_engine
+
+    spec = plan.spec
+    return build_engine(
+        spec.base_path,
+        tokenizer_path=spec.tokenizer_path,
+        merge_adapters=spec.adapters,
+        adapters=plan.named_adapters,
+        torch_dtype=spec.torch_dtype,
+        device=cfg.model.device,
+        attn_impl=cfg.model.attn_impl,
+        max_num_seqs=cfg.deploy.max_num_seqs,
+        max_model_len=cfg.deploy.max_model_len,
+        seed=cfg.infer.seed,
+    )
+
+
+def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
+    import uvicorn
+
+    from swiftlm.serve.app import ServerSettings, create_app
+
+    args = cfg.deploy
+    settings = ServerSettings(
+        api_keys=tuple(args.api_key),
+        max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
+        max_n=args.max_n,
+        request_timeout=args.request_timeout,
+        system=plan.spec.system,
+    )
+    app = create_app(engine, engine.tokenizer, plan.served, settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        log_level="warning",
+    )
+    server = draining_server_class()(config, app.state.server)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"Serving {', '.join(plan.served.names())} at http://{host}:{args.port}/v1", flush=True)
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print("Warning: no --api_key and not bound to localhost: anyone can call it", flush=True)
+    server.run()
+
+
+def draining_server_class():
+    """uvicorn's Server that, on SIGTERM or SIGINT, first turns new requests away (503)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.state = state
+
+        def handle_exit(self, sig, frame):
+            self.state.draining = True
+            super().handle_exit(sig, frame)
+            # uvicorn raises a captured signal again once it has shut down, which would kill
+            # the process by SIGTERM; a drained SIGTERM is a clean stop that exits 0.
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    return Draining

@@ -1,0 +1,134 @@
+"""OpenAI requests -> engine requests: the model name, the prompt's token ids, the sampling.
+
+Every check that depends on the request alone happens here, before anything reaches the
+engine, and fails with a 4xx `APIError` naming the field.
+"""
+
+from dataclasses import dataclass
+
+from swiftlm.infer.protocol import SamplingParams
+from swiftlm.serve.errors import APIError
+from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """The names clients use: the base model's, and one per adapter."""
+
+    base: str
+    adapters: tuple[str, ...] = ()
+
+    def names(self) -> list[str]:
+        return [self.base, *self.adapters]
+
+    def adapter_for(self, name: str) -> str | None:
+        """The adapter a request's `model` selects (None: the base); 404 for unknown names."""
+        if name == self.base:
+            return None
+        if name in self.adapters:
+            return name
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; served models: {', '.join(self.names())}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def reject_unsupported(request: SamplingFields) -> None:
+    unsupported = request.unsupported_field()
+    if unsupported:
+        field, reason = unsupported
+        raise APIError(400, f"'{field}': {reason}", param=field, code="unsupported_field")
+
+
+def chat_prompt_ids(tokenizer, request: ChatCompletionRequest, system: str | None) -> list[int]:
+    """The conversation rendered by the tokenizer's chat template, ready for the answer."""
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in request.messages
+    ]
+    if system is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a template may raise on roles or orders it does not accept
+        raise APIError(
+            400, f"'messages': the model's chat template refused them: {exc}", param="messages"
+        ) from None
+    # The template writes the special tokens (BOS included) itself.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def completion_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    if not prompt:
+        raise APIError(400, "'prompt': must not be empty", param="prompt")
+    return tokenizer(prompt)["input_ids"]
+
+
+def sampling_params(
+    request: ChatCompletionRequest | CompletionRequest,
+    prompt_tokens: int,
+    max_model_len: int,
+    max_n: int,
+) -> SamplingParams:
+    """The engine's sampling for `request`; 400 for a bad value or a prompt that leaves no room."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_tokens}, leaving no room for an answer. Shorten the prompt",
+            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    budget = request.token_budget()
+    if budget is not None and budget > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_tokens} and max_tokens asks for {budget} more. Lower max_tokens to at "
+            f"most {room}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    stop = request.stop_strings()
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise APIError(400, f"'stop': at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    logprobs, top_logprobs = _logprobs(request)
+    params = SamplingParams(
+        max_tokens=room if budget is None else budget,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        stop=stop,
+        ignore_eos=request.ignore_eos,
+        seed=request.seed,
+        n=request.n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    problem = params.check(max_n=max_n)
+    if problem:
+        field = problem.split()[0]
+        param = "max_tokens" if field == "max_tokens" else field
+        raise APIError(400, problem, param=param, code="invalid_value")
+    return params
+
+
+def _logprobs(request: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int]:
+    """(logprobs wanted, alternatives per token): chat says `logprobs: true, top_logprobs: k`,
+    completions say `logprobs: k`."""
+    if isinstance(request, CompletionRequest):
+        if request.logprobs is None:
+            return False, 0
+        if request.logprobs < 0:
+            raise APIError(400, "'logprobs': must be 0 or more", param="logprobs")
+        return True, request.logprobs
+    return request.logprobs, request.top_logprobs or 0
