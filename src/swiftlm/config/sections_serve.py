@@ -20,7 +20,7 @@ class DeployArguments:
     )
     port: int = doc("TCP port to listen on.", default=8000)
     api_key: list[str] = doc(
-        "Accepted API keys (several allowed): every route but /health then needs "
+        "Accepted API keys (several allowed): every route but /health and the chat page / then needs "
         "`Authorization: Bearer <key>`. None given: no authentication.",
         default_factory=list,
     )

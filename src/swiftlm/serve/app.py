@@ -1,14 +1,16 @@
 """The OpenAI-compatible app: `create_app(engine, tokenizer, models, settings)`.
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (whole answers
-or server-sent events), `GET /health`, `GET /metrics`. Every route but /health needs an API
-key when keys are set; every error is an OpenAI error object (`errors.py`).
+or server-sent events), `GET /health`, `GET /metrics`, and the chat page at `GET /`. Every route
+but /health and / needs an API key when keys are set (the page holds no secret: it asks for the
+key and sends it with its API calls); every error is an OpenAI error object (`errors.py`).
 """
 
 from dataclasses import dataclass
+from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from swiftlm.infer.protocol import Engine
@@ -21,6 +23,7 @@ from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest
 from swiftlm.serve.translate import ServedModels
 
 MIB = 1024 * 1024
+CHAT_PAGE = resources.files("swiftlm.serve").joinpath("static/chat.html").read_text("utf-8")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ def create_app(
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/")
+    async def chat_page():
+        return HTMLResponse(CHAT_PAGE)
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -2,8 +2,10 @@
 
 import hmac
 
-# The one route a load balancer or orchestrator probes without credentials.
-PUBLIC_PATHS = frozenset({"/health"})
+# /health: what a load balancer or orchestrator probes without credentials. /: the chat page,
+# which holds no secret; a browser cannot send a Bearer header when it opens a page, so the page
+# asks for the key and sends it with each of its API calls.
+PUBLIC_PATHS = frozenset({"/health", "/"})
 
 
 def bearer_token(authorization: str | None) -> str | None:
