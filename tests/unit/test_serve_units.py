@@ -37,8 +37,11 @@ def chat(**fields) -> ChatCompletionRequest:
 
 
 def test_unsupported_fields_are_named_and_best_of_n_is_allowed():
-    assert chat(tools=[]).unsupported_field()[0] == "tools"
-    assert chat(response_format={"type": "text"}).unsupported_field()[0] == "response_format"
+    # Chat supports tools and response_format; completions do not.
+    assert chat(tools=[], response_format={"type": "text"}).unsupported_field() is None
+    completion = CompletionRequest(model="m", prompt="x", tools=[])
+    assert completion.unsupported_field()[0] == "tools"
+    assert chat(parallel_tool_calls=True).unsupported_field()[0] == "parallel_tool_calls"
     assert chat(user="someone").unsupported_field() is None
     assert CompletionRequest(model="m", prompt="x", n=2, best_of=2).unsupported_field() is None
     assert CompletionRequest(model="m", prompt="x", best_of=3).unsupported_field()[0] == "best_of"

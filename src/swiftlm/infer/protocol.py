@@ -16,7 +16,7 @@ per prompt, a per-request seed, and the log-probability of every generated token
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 # Why a sample ended: a stop token or string, the token budget (or the context), or aborted.
 FINISH_REASONS = ("stop", "length", "abort")
@@ -74,6 +74,31 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # a served adapter's name; None: the base model
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # A grammar the output must follow (`Constraint`, e.g. infer.grammar's JSON schema);
+    # None: unconstrained, and no cost.
+    constraint: Any = None
+
+
+class ConstraintMatcher(Protocol):
+    """One sample's state in a grammar (see infer/grammar.py)."""
+
+    def mask(self, logits: Any) -> None:
+        """Set forbidden tokens' logits (one row, [vocab]) to -inf, in place."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance by the sampled token; False if the grammar does not allow it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar has ended (it accepted a stop token): the sample is done."""
+        ...
+
+
+class Constraint(Protocol):
+    def matcher(self) -> ConstraintMatcher:
+        """A fresh parse for one of the request's samples."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiftlm.infer.protocol import SamplingParams, TokenLogprob
+from swiftlm.infer.protocol import ConstraintMatcher, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -23,6 +23,7 @@ class RowState:
     prompt_ids: list[int]
     generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)
+    matcher: ConstraintMatcher | None = None  # the request's grammar, for this sample
     _prompt_tensor: torch.Tensor | None = None
 
     def seen_ids(self) -> torch.Tensor:
@@ -41,6 +42,7 @@ def make_generator(seed: int) -> torch.Generator:
 
 def next_tokens(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     """One token id per row from `logits` [rows, vocab] (float32, on the CPU)."""
+    logits = apply_constraints(logits, rows)
     logits = apply_penalties(logits, rows)
     chosen = logits.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if row.params.temperature > 0]
@@ -61,6 +63,19 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
     # right=True: the first token whose cdf exceeds the target, which has non-zero probability.
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return picked.clamp(max=probs.shape[-1] - 1)
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+    """Grammar masks first, on the raw logits: penalties, temperature and truncation then only
+    reshape what the grammar allows, so every sampling setting yields parsable output. The
+    caller's logits stay untouched (logprobs are reported from them)."""
+    constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
+    if not constrained:
+        return logits
+    logits = logits.clone()
+    for i in constrained:
+        rows[i].matcher.mask(logits[i])
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:

@@ -196,7 +196,12 @@ class Scheduler:
             request=request,
             index=index,
             on_delta=item.on_delta,
-            row=RowState(params, list(request.prompt_ids), make_generator(seed)),
+            row=RowState(
+                params,
+                list(request.prompt_ids),
+                make_generator(seed),
+                matcher=request.constraint.matcher() if request.constraint else None,
+            ),
             detokenizer=IncrementalText(self.tokenizer),
             stop_text=StopText(params.stop),
             max_new_tokens=min(params.max_tokens, room),

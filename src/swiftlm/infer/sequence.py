@@ -1,11 +1,14 @@
 """One sample being generated: its tokens, text, stop rules and where its deltas go."""
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swiftlm.infer.detokenize import IncrementalText, StopText
 from swiftlm.infer.protocol import GenerationRequest, SampleDelta, TokenLogprob
 from swiftlm.infer.sampling import RowState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +54,17 @@ class Sequence:
         return self._delta((token,), text, logprobs)
 
     def _text_of(self, token: int) -> str:
+        matcher = self.row.matcher
+        if matcher is not None:
+            if not matcher.accept(token):
+                # Cannot happen while the mask holds; end the sample rather than emit text
+                # the grammar forbids.
+                log.error("request %s: the grammar refused token %d", self.request_id, token)
+                self.finish_reason = "stop"
+                return ""
+            if matcher.is_terminated():  # it took the grammar's stop token: the answer is done
+                self.finish_reason = "stop"
+                return ""
         if token in self.stop_token_ids:
             self.finish_reason = "stop"
             return ""  # an end-of-turn token ends the answer; it is not part of the text

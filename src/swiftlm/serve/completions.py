@@ -25,6 +25,8 @@ from swiftlm.serve.generation import (
 )
 from swiftlm.serve.metrics import RequestTimer, ServerMetrics
 from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest
+from swiftlm.serve.structured import Constraints
+from swiftlm.serve.tools import template_tools, tool_message
 from swiftlm.serve.translate import (
     ServedModels,
     chat_prompt_ids,
@@ -100,14 +102,22 @@ class Completions:
         self.settings = settings
         self.texts = r.TokenTexts(tokenizer)
         self.limits = Limits(settings.max_queued_requests, settings.request_timeout)
+        # The grammar ends a constrained answer with one of the engine's end-of-turn tokens.
+        stop_ids = getattr(engine, "stop_token_ids", None) or [tokenizer.eos_token_id]
+        self.constraints = Constraints(tokenizer, stop_ids)
 
     def _params(self, body, prompt_ids: list[int]) -> SamplingParams:
         max_model_len = self.engine.stats().max_model_len
         return sampling_params(body, len(prompt_ids), max_model_len, self.settings.max_n)
 
-    def _job(self, body, http: Request, endpoint: str, prompts: list[list[int]]) -> Job:
+    def _job(
+        self, body, http: Request, endpoint: str, prompts: list[list[int]], constraint=None
+    ) -> Job:
         adapter = self.models.adapter_for(body.model)
-        requests = [GenerationRequest(ids, self._params(body, ids), adapter) for ids in prompts]
+        requests = [
+            GenerationRequest(ids, self._params(body, ids), adapter, constraint=constraint)
+            for ids in prompts
+        ]
         job = Job(self.engine, requests, self.limits, self.metrics, body.model, endpoint, http)
         return job.start()
 
@@ -116,14 +126,47 @@ class Completions:
         self.models.adapter_for(body.model)  # 404 before any tokenizing
         # Off the event loop: rendering and tokenizing a long conversation takes a while.
         ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, body, self.settings.system)
-        job = self._job(body, http, "chat", [ids])
+        constraint = await asyncio.to_thread(self.constraints.for_request, body)
+        job = self._job(body, http, "chat", [ids], constraint)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now_s()
         texts = self.texts if body.logprobs else None
+        tools = template_tools(body) is not None  # answers may hold tool calls to parse
         if body.stream:
             events = self._chat_events(job, request_id, created, texts, body.include_usage())
+            if tools:
+                events = self._chat_tool_events(job, request_id, created, body.include_usage())
             return event_stream(events, job)
         samples = await job.samples()
-        return r.chat_completion(request_id, body.model, created, samples, len(ids), texts)
+        answer = r.chat_completion(request_id, body.model, created, samples, len(ids), texts)
+        if tools:
+            for choice in answer["choices"]:
+                with_calls(choice, choice["message"]["content"])
+        return answer
+
+    async def _chat_tool_events(self, job: Job, request_id, created, include_usage):
+        """A streamed answer that may call tools: a call is only known once its closing tag
+        is out, so each choice's text is held back and sent whole, as content or as
+        tool_calls, in one chunk when the choice finishes."""
+        texts: dict[int, str] = {}
+        completion_tokens = 0
+        async for choice, delta in job.deltas():
+            completion_tokens += len(delta.token_ids)
+            texts[choice] = texts.get(choice, "") + delta.text
+            if delta.finish_reason is None:
+                continue
+            entry = with_calls(
+                {"index": choice, "finish_reason": delta.finish_reason}, texts[choice]
+            )
+            message = entry.pop("message")
+            if message.get("tool_calls"):
+                message["tool_calls"] = [
+                    {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                ]
+            entry["delta"] = message
+            yield r.sse(r.chat_chunk(request_id, job.model, created, [entry]))
+        if include_usage:
+            usage = r.usage(job.prompt_tokens, completion_tokens)
+            yield r.sse({**r.chat_chunk(request_id, job.model, created, []), "usage": usage})
 
     async def _chat_events(self, job: Job, request_id, created, texts, include_usage):
         def chunk(choices: list[dict]) -> str:
@@ -184,6 +227,16 @@ class Completions:
         if body.include_usage():
             usage = r.usage(job.prompt_tokens, completion_tokens)
             yield r.sse({**r.completion_chunk(request_id, job.model, created, []), "usage": usage})
+
+
+def with_calls(choice: dict, text: str) -> dict:
+    """Set `choice`'s message from `text`: tool calls parsed out (finish_reason "tool_calls",
+    as OpenAI says when the model called tools), or the text as content."""
+    message, called = tool_message(text)
+    choice["message"] = message
+    if called and choice.get("finish_reason") == "stop":
+        choice["finish_reason"] = "tool_calls"
+    return choice
 
 
 class JobStreamingResponse(StreamingResponse):

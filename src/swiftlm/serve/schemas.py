@@ -6,7 +6,7 @@ ignored. A few OpenAI fields are accepted and ignored, each for a stated reason
 them gets a 400 that says so (`UNSUPPORTED_FIELDS`), never a silent default.
 """
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,12 +18,14 @@ IGNORED_FIELDS = {
 }
 # Set to anything but null: 400 naming the field and saying it is not supported (yet).
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
+    # Chat requests accept tools, tool_choice and response_format (ChatCompletionRequest
+    # redeclares them); on /v1/completions they stay refused.
+    "tools": "tools are supported on /v1/chat/completions only",
+    "tool_choice": "tools are supported on /v1/chat/completions only",
+    "parallel_tool_calls": "parallel_tool_calls is not supported; the model decides",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "response_format": "structured output (response_format) is not supported yet",
+    "response_format": "response_format is supported on /v1/chat/completions only",
     "logit_bias": "logit_bias is not supported",
     "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of is not supported; use n",
@@ -48,11 +50,24 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    # "developer" is OpenAI's newer name for "system"; tool messages need tool calling.
-    role: Literal["system", "developer", "user", "assistant"]
+    # "developer" is OpenAI's newer name for "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -99,11 +114,13 @@ class SamplingFields(Strict):
     reasoning_effort: Any = None
     suffix: Any = None
 
+    SUPPORTED: ClassVar[tuple[str, ...]] = ()  # names of UNSUPPORTED_FIELDS a subclass handles
+
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, reason) of the first field set that names a feature not supported."""
         for name, reason in UNSUPPORTED_FIELDS.items():
             value = getattr(self, name, None)
-            if value is None or (name == "best_of" and value == self.n):
+            if name in self.SUPPORTED or value is None or (name == "best_of" and value == self.n):
                 continue
             return name, reason
         return None
@@ -117,11 +134,52 @@ class SamplingFields(Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema: stored as json_schema_.
+    json_schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    # Declared in UNSUPPORTED_FIELDS for /v1/completions; supported here.
+    SUPPORTED: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "response_format")
 
     def token_budget(self) -> int | None:
         return (

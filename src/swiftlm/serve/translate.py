@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from swiftlm.infer.protocol import SamplingParams
 from swiftlm.serve.errors import APIError
 from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from swiftlm.serve.tools import check_renders_tools, template_message, template_tools
 
 MAX_STOP_STRINGS = 16
 
@@ -45,15 +46,25 @@ def reject_unsupported(request: SamplingFields) -> None:
 
 
 def chat_prompt_ids(tokenizer, request: ChatCompletionRequest, system: str | None) -> list[int]:
-    """The conversation rendered by the tokenizer's chat template, ready for the answer."""
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in request.messages
-    ]
+    """The conversation (and its tools) rendered by the tokenizer's chat template, ready for
+    the answer; 400 when the request has tools and the template would not show them."""
+    messages = [template_message(m) for m in request.messages]
     if system is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
+    tools = template_tools(request)
+
+    def render(with_tools: list[dict] | None) -> str:
+        extra = {"tools": with_tools} if with_tools else {}
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra
+        )
+
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render(tools)
+        if tools:
+            check_renders_tools(render, tools)
+    except APIError:
+        raise
     except Exception as exc:  # a template may raise on roles or orders it does not accept
         raise APIError(
             400, f"'messages': the model's chat template refused them: {exc}", param="messages"
