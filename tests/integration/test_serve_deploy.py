@@ -163,6 +163,31 @@ def test_plan_names_the_base_and_the_adapters(tiny_model_dir, tiny_lora_run):
         plan("--adapters", f"{tiny_model_dir.name}={tiny_lora_run}")
 
 
+def test_an_adapter_of_the_default_model_is_served_beside_it_by_its_name(
+    tiny_model_dir, tiny_lora_run, tmp_path, monkeypatch
+):
+    """A run trained on the packaged default (config.yaml `model: null`) serves its base under
+    the default's name, not the name of the GGUF conversion's cache folder."""
+    import shutil
+
+    import yaml
+
+    from swiftlm.config import DeployConfig, parse_config
+    from swiftlm.infer import resolve
+    from swiftlm.models.loader import ResolvedModel
+    from swiftlm.serve.models import plan_deployment
+
+    run = tmp_path / "default-run"
+    shutil.copytree(tiny_lora_run, run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["model"]["model"] = None
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    packaged = ResolvedModel(str(tiny_model_dir), "packaged GGUF", "SmolLM2-135M-Instruct")
+    monkeypatch.setattr(resolve, "resolve_model", lambda model: packaged)
+    cfg = parse_config(DeployConfig, ["--adapters", f"swifty={run}"], "swiftlm deploy")
+    assert plan_deployment(cfg).served.names() == ["SmolLM2-135M-Instruct", "swifty"]
+
+
 @pytest.mark.bad_input(
     input="`swiftlm deploy --port P` where P is already in use",
     outcome="Error before the model loads, naming --host/--port and the reason",

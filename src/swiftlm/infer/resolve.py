@@ -39,6 +39,7 @@ class InferenceModel:
     torch_dtype: str  # --torch_dtype, or the run's when the user left it at auto
     description: str  # one line for the console: what was loaded
     ckpt_dir: str | None = None  # where batch results go by default (the run dir if known)
+    base_name: str | None = None  # the base model's short name, when a base was resolved
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,13 @@ def resolve_inference_model(cfg: InferConfig) -> InferenceModel:
     if not checkpoints:
         base = resolve_model(cfg.model.model)
         return InferenceModel(
-            base.path, (), base.path, cfg.data.system, cfg.model.torch_dtype, base.requested
+            base.path,
+            (),
+            base.path,
+            cfg.data.system,
+            cfg.model.torch_dtype,
+            base.requested,
+            base_name=base.name,
         )
     full = [c for c in checkpoints if not c.is_adapter]
     if full:
@@ -110,6 +117,7 @@ def _adapters_on_base(cfg: InferConfig, checkpoints: list[_Checkpoint]) -> Infer
         torch_dtype=_inherit_dtype(cfg, first),
         description=f"{base.requested} + adapter {names}",
         ckpt_dir=_results_root(first),
+        base_name=base.name,
     )
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from swiftlm.config import DeployConfig, InferArguments, InferConfig
 from swiftlm.errors import ConfigError
 from swiftlm.infer.resolve import InferenceModel, resolve_inference_model
-from swiftlm.models.loader import resolve_model
 from swiftlm.serve.translate import ServedModels
 
 
@@ -65,10 +64,8 @@ def plan_deployment(cfg: DeployConfig) -> DeployPlan:
 
 
 def base_model_name(cfg: DeployConfig, spec: InferenceModel) -> str:
+    """A run's name for --ckpt_dir; else the base model's short name (the packaged default's
+    is `SmolLM2-135M-Instruct`, also when an adapter's run names no --model)."""
     if cfg.infer.ckpt_dir:
         return adapter_name(spec.ckpt_dir or cfg.infer.ckpt_dir)
-    if cfg.model.model is None and not cfg.infer.adapters:
-        return resolve_model(None).name
-    if cfg.model.model is not None:
-        return resolve_model(cfg.model.model).name
-    return Path(spec.base_path.rstrip("/")).name
+    return spec.base_name or Path(spec.base_path.rstrip("/")).name
