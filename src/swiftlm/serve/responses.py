@@ -74,24 +74,23 @@ def chat_completion(
         for s in samples
     ]
     completion_tokens = sum(len(s.token_ids) for s in samples)
+    whole = envelope("chat.completion", request_id, model, created, choices)
+    return {**whole, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def envelope(kind: str, request_id: str, model: str, created: int, choices: list[dict]) -> dict:
+    """The fields every OpenAI response and stream chunk of one request shares."""
     return {
         "id": request_id,
-        "object": "chat.completion",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict]) -> dict:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
+    return envelope("chat.completion.chunk", request_id, model, created, choices)
 
 
 def chat_chunk_choice(
@@ -139,21 +138,10 @@ def completion(
         }
         for s in samples
     ]
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(prompt_tokens, sum(len(s.token_ids) for s in samples)),
-    }
+    whole = envelope("text_completion", request_id, model, created, choices)
+    return {**whole, "usage": usage(prompt_tokens, sum(len(s.token_ids) for s in samples))}
 
 
 def completion_chunk(request_id: str, model: str, created: int, choices: list[dict]) -> dict:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
+    # OpenAI names completion stream chunks `text_completion` too.
+    return envelope("text_completion", request_id, model, created, choices)
