@@ -16,6 +16,7 @@ Requests that use different adapters share the forward through peft's per-row
 
 import logging
 import random
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ class Scheduler:
         self.waiting: deque[Submitted] = deque()
         self.group: PrefillGroup | None = None
         self.running: list[Sequence] = []
+        # `running_count` is read from other threads (stats): a prefilled group's samples
+        # move from `group` to `running` under this lock, so they are always counted once.
+        self.slots = threading.Lock()
         self.kv = BatchKV(self.num_layers, 0, self.device)
 
     # -- what there is to do --------------------------------------------------------------
@@ -90,9 +94,10 @@ class Scheduler:
         return bool(self.waiting or self.group or self.running)
 
     def running_count(self) -> int:
-        """Slots in use; also read by other threads, so `group` is read once."""
-        group = self.group
-        return len(self.running) + (group.samples if group else 0)
+        """Slots in use (the prefilling group's samples included); read by other threads."""
+        with self.slots:
+            group = self.group
+            return len(self.running) + (group.samples if group else 0)
 
     def step(self) -> None:
         if self.group is None:
@@ -165,7 +170,6 @@ class Scheduler:
         group.done = end
         if end < width:
             return
-        self.group = None
         self._start_sequences(group, logits)
 
     def _start_sequences(self, group: PrefillGroup, logits: torch.Tensor) -> None:
@@ -182,11 +186,12 @@ class Scheduler:
         ]
         self._advance(sequences, logits)
         keep = [i for i, seq in enumerate(sequences) if seq.finish_reason is None]
-        if not keep:
-            return
-        group.kv.select(torch.tensor(keep))
-        self.kv.merge(group.kv)
-        self.running += [sequences[i] for i in keep]
+        if keep:
+            group.kv.select(torch.tensor(keep))
+            self.kv.merge(group.kv)
+        with self.slots:
+            self.running = self.running + [sequences[i] for i in keep]
+            self.group = None
 
     def _new_sequence(self, item: Submitted, index: int) -> Sequence:
         request, params = item.request, item.request.params
