@@ -104,12 +104,19 @@ HOSTILE = [
 def test_hostile_requests_get_4xx_openai_errors_and_the_server_keeps_working(server):
     with httpx.Client(base_url=server, timeout=60) as http:
         for what, path, body, status in HOSTILE:
-            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-            reply = http.post(path, content=raw, headers={"content-type": "application/json"})
-            assert reply.status_code == status, (what, reply.text[:300])
-            error = reply.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"}, what
-            assert error["message"], what
+            check_refused(http, what, path, body, status)
+        # 200 in all: the same cases again from 8 clients at once
+        rounds = [case for _ in range(200 // len(HOSTILE)) for case in HOSTILE]
+        spread = [rounds[i::8] for i in range(8)]
+        failures: list = []
+        threads = [
+            threading.Thread(target=send_all, args=(server, part, failures)) for part in spread
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not failures, failures[:3]
         assert "max_token" in http.post("/v1/chat/completions", json=chat(max_token=5)).text
         refused = http.post("/v1/chat/completions", json=chat(logit_bias={"1": 5})).text
         assert "not supported" in refused
@@ -117,6 +124,30 @@ def test_hostile_requests_get_4xx_openai_errors_and_the_server_keeps_working(ser
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
         metrics = http.get("/metrics").text
     assert 'swiftlm_http_responses_total{status="5' not in metrics
+    refusals = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith('swiftlm_http_responses_total{status="4')
+    ]
+    assert sum(refusals) >= 200
+
+
+def check_refused(http: httpx.Client, what: str, path: str, body, status: int) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert reply.status_code == status, (what, reply.text[:300])
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, what
+    assert error["message"], what
+
+
+def send_all(url: str, cases: list, failures: list) -> None:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for case in cases:
+            try:
+                check_refused(http, *case)
+            except (AssertionError, httpx.HTTPError) as exc:
+                failures.append(f"{case[0]}: {exc!r}")
 
 
 @pytest.mark.bad_input(
