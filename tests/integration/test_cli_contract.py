@@ -181,11 +181,12 @@ def test_help_lists_only_the_flags_a_command_uses(command, capsys, tmp_path):
 
 
 def test_unused_flags_tables_name_real_flags():
-    from swiftlm.config import DeployConfig, ExportConfig, InferConfig
+    from swiftlm.config import DeployConfig, ExportConfig, InferConfig, RLHFConfig
 
     configs = {
         "sft": TrainConfig,
         "pt": TrainConfig,
+        "rlhf": RLHFConfig,
         "infer": InferConfig,
         "export": ExportConfig,
         "deploy": DeployConfig,

@@ -13,7 +13,7 @@ from swiftlm.infer.batch import prompt_sample
 from tool_templates import WEATHER_TOOL, openai_tool_row
 
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-PREFERENCE = "preference data for swiftlm rlhf (DPO, ORPO, SimPO: not available yet)"
+PREFERENCE = "preference data for swiftlm rlhf (DPO)"
 MULTIMODAL = (
     "multimodal training is not in this version of swiftlm (it is planned), and sft trains "
     "text-only models"

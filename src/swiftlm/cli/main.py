@@ -16,6 +16,11 @@ from swiftlm.errors import SwiftLMError
 COMMANDS = {
     "sft": ("TrainConfig", "swiftlm.train.run", "Supervised fine-tuning (full, LoRA, DoRA)."),
     "pt": ("TrainConfig", "swiftlm.train.run", "Continued pre-training on plain text."),
+    "rlhf": (
+        "RLHFConfig",
+        "swiftlm.train.run",
+        "Preference alignment on chosen/rejected pairs: --rlhf_type dpo.",
+    ),
     "infer": (
         "InferConfig",
         "swiftlm.infer.run",
@@ -113,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         run = importlib.import_module(module_name).run
         if config_name == "TrainConfig":
             run(cfg, name)
+        elif config_name == "RLHFConfig":
+            run(cfg, cfg.rlhf.rlhf_type)
         else:
             run(cfg)
     except SwiftLMError as exc:

@@ -1,8 +1,8 @@
 """Command configs, each a composition of typed sections.
 
 - `sections.py` (training, model, data, quantization) and `sections_infer.py` (generation,
-  inference, export) and `sections_serve.py` (deploy): the sections; each checks its own fields (`checks.py`) when built;
-- `commands.py`: the configs of `swiftlm sft/pt`, `infer`, `export` and `deploy`, and the flags each
+  inference, export), `sections_serve.py` (deploy) and `sections_rlhf.py` (rlhf): the sections; each checks its own fields (`checks.py`) when built;
+- `commands.py`: the configs of `swiftlm sft/pt`, `rlhf`, `infer`, `export` and `deploy`, and the flags each
   command leaves out (`UNUSED_FLAGS`);
 - `argv.py`: repeated and aliased flags resolved before argparse;
 - `rules.py`: every rule between flags, run once by a command with `rules.check(cfg)`;
@@ -14,6 +14,7 @@ from swiftlm.config.commands import (
     DeployConfig,
     ExportConfig,
     InferConfig,
+    RLHFConfig,
     TrainConfig,
 )
 from swiftlm.config.parse import load_saved_config, parse_config, save_config
@@ -27,6 +28,7 @@ from swiftlm.config.sections import (
     TunerArguments,
 )
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
+from swiftlm.config.sections_rlhf import RLHFArguments
 from swiftlm.config.sections_serve import DeployArguments
 
 __all__ = [
@@ -42,6 +44,8 @@ __all__ = [
     "ModelArguments",
     "OutputArguments",
     "QuantArguments",
+    "RLHFArguments",
+    "RLHFConfig",
     "TrainArguments",
     "TrainConfig",
     "TunerArguments",

@@ -12,6 +12,7 @@ from swiftlm.config.sections import (
     TunerArguments,
 )
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
+from swiftlm.config.sections_rlhf import RLHFArguments
 from swiftlm.config.sections_serve import DeployArguments
 
 
@@ -26,6 +27,13 @@ class TrainConfig:
     train: TrainArguments = field(default_factory=TrainArguments)
     output: OutputArguments = field(default_factory=OutputArguments)
     dist: DistArguments = field(default_factory=DistArguments)
+
+
+@dataclass
+class RLHFConfig(TrainConfig):
+    """`swiftlm rlhf`: a training run on preference data, with the method's settings."""
+
+    rlhf: RLHFArguments = field(default_factory=RLHFArguments)
 
 
 @dataclass
@@ -67,6 +75,8 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
     "sft": _EXPORT_ONLY,
     # Pre-training reads plain text cut into --max_length chunks: no chat, no truncation.
     "pt": _EXPORT_ONLY | _SFT_ONLY,
+    # The loss is on each pair's last answer; there is no self-cognition data to fill in.
+    "rlhf": _EXPORT_ONLY | frozenset({"loss_scope", "model_name", "model_author"}),
     # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
     "infer": frozenset(
         {

@@ -18,7 +18,8 @@ def failures(cfg: Any, facts: Facts | None = None) -> list[tuple[str, str]]:
     `facts` default to the world the flags ask for (--nproc_per_node x --nnodes), no method."""
     dist = getattr(cfg, "dist", None)
     facts = facts or Facts(world_size=dist.nproc_per_node * dist.nnodes if dist else 1)
-    broken = ((rule.name, rule.failure(cfg, facts)) for rule in RULES[type(cfg)])
+    rules = next(RULES[cls] for cls in type(cfg).__mro__ if cls in RULES)  # rlhf: training's
+    broken = ((rule.name, rule.failure(cfg, facts)) for rule in rules)
     return [(name, message) for name, message in broken if message]
 
 

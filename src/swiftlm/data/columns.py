@@ -13,7 +13,7 @@ from typing import Any
 
 from swiftlm.data.rows import RowError
 
-PREFERENCE = "preference data for swiftlm rlhf (DPO, ORPO, SimPO: not available yet)"
+PREFERENCE = "preference data for swiftlm rlhf (DPO)"
 MULTIMODAL = (
     "multimodal training is not in this version of swiftlm (it is planned), and {method} "
     "trains text-only models"

@@ -4,10 +4,12 @@
 is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`.
 """
 
+from swiftlm.methods.dpo import DPO
 from swiftlm.methods.pt import PT
 from swiftlm.methods.sft import SFT
 
 METHODS = {
     "sft": SFT,
     "pt": PT,
+    "dpo": DPO,
 }

@@ -1,0 +1,195 @@
+"""`swiftlm rlhf --rlhf_type dpo` on a tiny model: ln 2 at the first step, the loss of a batch
+against an independent computation, gradient accumulation, LoRA's reference without a copy,
+full fine-tuning's frozen reference, and the preference row layouts."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import logged, max_weight_difference, write_jsonl
+from swiftlm.cli.main import main
+
+ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": f"Question number {i}?"},
+            {"role": "assistant", "content": f"Answer number {i} is {i * 7}."},
+        ],
+        "rejected_response": f"I do not know {i}.",
+    }
+    if i % 2 == 0
+    else {
+        "prompt": f"Question number {i}?",
+        "chosen": f"Answer number {i} is {i * 7}.",
+        "rejected": f"No idea about {i}.",
+    }
+    for i in range(16)
+]
+ADAPTER = "final/adapter_model.safetensors"
+
+
+def rlhf(model_dir, data, out, **flags) -> list[str]:
+    defaults = {"torch_dtype": "float32", "report_to": "none", "logging_steps": 1}
+    argv = ["rlhf", "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out)]
+    for name, value in {**defaults, **flags}.items():
+        argv += [f"--{name}", str(value)]
+    return argv
+
+
+@pytest.fixture
+def pairs(tmp_path):
+    return write_jsonl(tmp_path / "pairs.jsonl", ROWS)
+
+
+def test_first_step_is_ln2_and_the_margin_grows(tiny_model_dir, pairs, tmp_path):
+    out = tmp_path / "run"
+    flags = dict(max_steps=4, per_device_train_batch_size=4, learning_rate="5e-3", lora_dropout=0)
+    assert main(rlhf(tiny_model_dir, pairs, out, **flags)) == 0
+    losses = logged(out)
+    # LoRA starts as the identity (B = 0): policy == reference, loss = -log sigmoid(0).
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert logged(out, "rewards/margins")[0] == 0
+    assert logged(out, "rewards/margins")[-1] > 0 and losses[-1] < losses[0]
+    assert logged(out, "rewards/accuracies")[-1] > 0.5
+    assert "rlhf_type: dpo" in (out / "config.yaml").read_text()
+
+
+def test_accumulating_4_micro_batches_of_1_equals_1_batch_of_4(tiny_model_dir, pairs, tmp_path):
+    common = dict(max_steps=3, learning_rate="5e-3", lora_dropout=0)
+    runs = {
+        "one": dict(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+        "four": dict(per_device_train_batch_size=1, gradient_accumulation_steps=4),
+    }
+    for name, flags in runs.items():
+        assert main(rlhf(tiny_model_dir, pairs, tmp_path / name, **common, **flags)) == 0
+    assert logged(tmp_path / "four") == pytest.approx(logged(tmp_path / "one"), abs=1e-6)
+    norms = logged(tmp_path / "one", "grad_norm")
+    assert logged(tmp_path / "four", "grad_norm") == pytest.approx(norms, rel=1e-6)
+    one, four = tmp_path / "one" / ADAPTER, tmp_path / "four" / ADAPTER
+    # Adam divides by sqrt(v): float32 summation-order noise in small gradients moves weights
+    # by ~1e-6 after 3 steps at lr 5e-3 (as in test_custom_method)
+    assert max_weight_difference(one, four) < 1e-5
+
+
+def test_the_loss_of_a_batch_equals_an_independent_computation(tiny_model_dir, tmp_path):
+    """Per-answer log-probs from separate forwards of each conversation (transformers, no
+    padding), the reference with peft's adapter disabled, and DPO's formula by hand."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swiftlm.config import RLHFConfig
+    from swiftlm.config.parse import from_flat_dict
+    from swiftlm.data.encode import IGNORE_INDEX
+    from swiftlm.methods.base import Layout
+    from swiftlm.methods.dpo import DPO
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = from_flat_dict(RLHFConfig, {"beta": 0.3, "rpo_alpha": 0.5, "max_length": 64})
+    method = DPO(cfg, tokenizer)
+    samples = method.encode([method.to_sample(row) for row in ROWS[:3]]).samples
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(base, lora)
+    loss, metrics = method.loss(model, method.collate(Layout([[s] for s in samples], False)))
+
+    def answer_logp(ids, labels, adapter: bool) -> tuple[float, int]:
+        with torch.no_grad(), model.disable_adapter() if not adapter else _nothing():
+            logits = model(torch.tensor([ids])).logits[0].double()
+        logps = torch.log_softmax(logits, -1)
+        picked = [
+            logps[t - 1, ids[t]].item() for t in range(1, len(ids)) if labels[t] != IGNORE_INDEX
+        ]
+        return sum(picked), len(picked)
+
+    expected, margins = 0.0, 0.0
+    for s in samples:
+        (c, n), (r, _) = (
+            answer_logp(s[f"{k}_input_ids"], s[f"{k}_labels"], True) for k in ("chosen", "rejected")
+        )
+        c0, _ = answer_logp(s["chosen_input_ids"], s["chosen_labels"], False)
+        r0, _ = answer_logp(s["rejected_input_ids"], s["rejected_labels"], False)
+        z = 0.3 * ((c - c0) - (r - r0))
+        expected += -math.log(1 / (1 + math.exp(-z))) + 0.5 * (-c / n)
+        margins += 0.3 * (c - c0) - 0.3 * (r - r0)
+    assert loss.item() == pytest.approx(expected, abs=1e-4)
+    assert metrics["rewards/margins"].item() == pytest.approx(margins, abs=1e-4)
+    assert method.normalizer(method.collate(Layout([[s] for s in samples], False))) == 3
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_lora_keeps_no_reference_copy_and_full_fine_tuning_a_frozen_one(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swiftlm.config import RLHFConfig
+    from swiftlm.config.parse import from_flat_dict
+    from swiftlm.methods.dpo import DPO
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    lora = DPO(from_flat_dict(RLHFConfig, {}), tokenizer)
+    lora.prepare_model(model, print)
+    assert lora.reference is None
+    full = DPO(from_flat_dict(RLHFConfig, {"train_type": "full"}), tokenizer)
+    full.prepare_model(model, print)
+    reference = dict(full.reference.named_parameters())
+    assert all(not p.requires_grad for p in reference.values())
+    name, weight = next(iter(model.named_parameters()))
+    assert reference[name].data_ptr() != weight.data_ptr()  # a copy, not the trained weights
+
+
+def test_full_fine_tuning_starts_at_ln2(tiny_model_dir, pairs, tmp_path):
+    out = tmp_path / "full"
+    flags = dict(
+        max_steps=2, per_device_train_batch_size=4, train_type="full", learning_rate="1e-4"
+    )
+    assert main(rlhf(tiny_model_dir, pairs, out, **flags)) == 0
+    assert logged(out)[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert logged(out, "rewards/margins")[1] != 0  # the policy moved away from its reference
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm rlhf`: a row that is not a preference pair, or whose chosen and rejected "
+    "answers are identical",
+    outcome="`file:line` and the layouts read (ms-swift messages + rejected_response, TRL "
+    "prompt/chosen/rejected); the run does not start",
+)
+def test_rows_that_are_not_pairs_are_refused_with_file_and_line(tiny_model_dir, tmp_path, capsys):
+    sft_row = {"messages": ROWS[0]["messages"]}
+    same = {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Hello."}
+    for name, bad in (("plain", sft_row), ("same", same)):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", [ROWS[1], bad])
+        assert main(rlhf(tiny_model_dir, data, tmp_path / name, max_steps=1)) == 1
+        err = capsys.readouterr().err
+        assert f"{name}.jsonl:2:" in err
+    assert "identical" in err
+
+
+def test_ms_swift_and_trl_layouts_give_the_same_pair():
+    from swiftlm.data.preference import preference_sample
+
+    question = [{"role": "user", "content": "Hi?"}]
+    forms = [
+        {"messages": [*question, {"role": "assistant", "content": "Hello."}], "rejected_response": "Go."},
+        {
+            "messages": [*question, {"role": "assistant", "content": "Hello."}],
+            "rejected_messages": [*question, {"role": "assistant", "content": "Go."}],
+        },
+        {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go."},
+        {"prompt": question, "chosen": [{"role": "assistant", "content": "Hello."}],
+         "rejected": [{"role": "assistant", "content": "Go."}]},
+        {"chosen": [*question, {"role": "assistant", "content": "Hello."}],
+         "rejected": [*question, {"role": "assistant", "content": "Go."}]},
+    ]  # fmt: skip
+    pairs = [preference_sample(form, method="rlhf", system="Be brief.") for form in forms]
+    assert all(pair == pairs[0] for pair in pairs)
+    assert pairs[0]["chosen"][0] == {"role": "system", "content": "Be brief."}
+    assert pairs[0]["rejected"][-1]["content"] == "Go."
