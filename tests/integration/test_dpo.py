@@ -193,3 +193,23 @@ def test_ms_swift_and_trl_layouts_give_the_same_pair():
     assert all(pair == pairs[0] for pair in pairs)
     assert pairs[0]["chosen"][0] == {"role": "system", "content": "Be brief."}
     assert pairs[0]["rejected"][-1]["content"] == "Go."
+
+
+def test_two_gloo_ranks_equal_one_process_under_ddp_and_fsdp2(tiny_model_dir, pairs, tmp_path):
+    """DPO's pair normalizer is summed over ranks before the forward, as SFT's tokens are; the
+    LoRA reference runs inside the wrapped model with the adapter disabled."""
+    steps = dict(max_steps=3, learning_rate="5e-3", lora_dropout=0, gradient_accumulation_steps=2)
+    runs = {
+        "single": dict(per_device_train_batch_size=4),
+        "ddp": dict(per_device_train_batch_size=2, nproc_per_node=2, master_port=29561),
+        "fsdp2": dict(per_device_train_batch_size=2, nproc_per_node=2, master_port=29562, fsdp="fsdp2"),
+    }  # fmt: skip
+    for name, flags in runs.items():
+        assert main(rlhf(tiny_model_dir, pairs, tmp_path / name, **steps, **flags)) == 0, name
+    single = logged(tmp_path / "single")
+    for name in ("ddp", "fsdp2"):
+        assert logged(tmp_path / name) == pytest.approx(single, abs=1e-5), name
+        margins = logged(tmp_path / name, "rewards/margins")
+        assert margins == pytest.approx(logged(tmp_path / "single", "rewards/margins"), abs=1e-5)
+        a, b = tmp_path / "single" / ADAPTER, tmp_path / name / ADAPTER
+        assert max_weight_difference(a, b) < 5e-5, name

@@ -6,10 +6,14 @@ is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`
 
 from swiftlm.methods.dpo import DPO
 from swiftlm.methods.pt import PT
+from swiftlm.methods.reference_free import CPO, ORPO, SimPO
 from swiftlm.methods.sft import SFT
 
 METHODS = {
     "sft": SFT,
     "pt": PT,
     "dpo": DPO,
+    "simpo": SimPO,
+    "orpo": ORPO,
+    "cpo": CPO,
 }

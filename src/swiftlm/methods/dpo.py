@@ -144,19 +144,11 @@ class DPO:
         nll = -chosen / counts[:pairs]
         if r.rpo_alpha:
             losses = losses + r.rpo_alpha * nll
-        weight = batch["weight"].to(losses.device)
-        rewards_chosen = dpo_rewards(chosen, ref_chosen, r.beta)
-        rewards_rejected = dpo_rewards(rejected, ref_rejected, r.beta)
-        metrics = {
-            "rewards/chosen": rewards_chosen,
-            "rewards/rejected": rewards_rejected,
-            "rewards/margins": rewards_chosen - rewards_rejected,
-            "rewards/accuracies": (rewards_chosen > rewards_rejected).float(),
-            "logps/chosen": chosen.detach(),
-            "logps/rejected": rejected.detach(),
-            "nll": nll.detach(),
-        }
-        return (losses * weight).sum(), {k: (v * weight).sum() for k, v in metrics.items()}
+        rewards = (
+            dpo_rewards(chosen, ref_chosen, r.beta),
+            dpo_rewards(rejected, ref_rejected, r.beta),
+        )
+        return weighted_sums(losses, pair_metrics(chosen, rejected, *rewards, nll), batch)
 
     def _reference(self, model):
         """(the module to run, its context): the frozen copy, or the policy without adapter."""
@@ -184,6 +176,25 @@ def answer_logps(model, batch: Batch, context=None) -> tuple[torch.Tensor, torch
     token_logps = -token_cross_entropy(logits, batch["labels"])
     counts = (shifted_labels(batch["labels"]) != IGNORE_INDEX).sum(-1).to(token_logps)
     return token_logps.sum(-1), counts.clamp(min=1)
+
+
+def pair_metrics(chosen, rejected, rewards_chosen, rewards_rejected, nll) -> dict:
+    """What every preference method logs per pair (TRL's names)."""
+    return {
+        "rewards/chosen": rewards_chosen,
+        "rewards/rejected": rewards_rejected,
+        "rewards/margins": rewards_chosen - rewards_rejected,
+        "rewards/accuracies": (rewards_chosen > rewards_rejected).float(),
+        "logps/chosen": chosen.detach(),
+        "logps/rejected": rejected.detach(),
+        "nll": nll.detach(),
+    }
+
+
+def weighted_sums(losses: torch.Tensor, metrics: dict, batch: Batch) -> LossOutput:
+    """(loss SUM, metric SUMS) over the pairs, padding pairs (weight 0) left out."""
+    weight = batch["weight"].to(losses.device)
+    return (losses * weight).sum(), {k: (v * weight).sum() for k, v in metrics.items()}
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
