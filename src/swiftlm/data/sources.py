@@ -25,6 +25,9 @@ SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 BUILTIN_DATASETS = {
     "swiftlm/self-cognition": "self_cognition.jsonl",
     "swiftlm/general-qa": "general_qa.jsonl",
+    # Preference pairs for swiftlm rlhf and their held-out prompts (scripts/make_preference_data.py)
+    "swiftlm/concise-preference": "concise_preference.jsonl",
+    "swiftlm/concise-heldout": "concise_heldout.jsonl",
 }
 
 NOT_AN_OBJECT = "expected a JSON object"
