@@ -201,8 +201,8 @@ def test_two_gloo_ranks_equal_one_process_under_ddp_and_fsdp2(tiny_model_dir, pa
     steps = dict(max_steps=3, learning_rate="5e-3", lora_dropout=0, gradient_accumulation_steps=2)
     runs = {
         "single": dict(per_device_train_batch_size=4),
-        "ddp": dict(per_device_train_batch_size=2, nproc_per_node=2, master_port=29561),
-        "fsdp2": dict(per_device_train_batch_size=2, nproc_per_node=2, master_port=29562, fsdp="fsdp2"),
+        "ddp": dict(per_device_train_batch_size=2, nproc_per_node=2, master_port=29761),
+        "fsdp2": dict(per_device_train_batch_size=2, nproc_per_node=2, master_port=29762, fsdp="fsdp2"),
     }  # fmt: skip
     for name, flags in runs.items():
         assert main(rlhf(tiny_model_dir, pairs, tmp_path / name, **steps, **flags)) == 0, name
@@ -213,3 +213,57 @@ def test_two_gloo_ranks_equal_one_process_under_ddp_and_fsdp2(tiny_model_dir, pa
         assert margins == pytest.approx(logged(tmp_path / "single", "rewards/margins"), abs=1e-5)
         a, b = tmp_path / "single" / ADAPTER, tmp_path / name / ADAPTER
         assert max_weight_difference(a, b) < 5e-5, name
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("train_type", ["lora", "full"])
+def test_a_crashed_run_resumed_equals_an_uninterrupted_one(
+    train_type, tiny_model_dir, pairs, tmp_path, monkeypatch, capsys
+):
+    """Full fine-tuning's frozen reference is the initial model also after a resume (it is
+    taken before the checkpoint's weights load)."""
+    from safetensors.torch import load_file
+
+    from swiftlm.methods.dpo import DPO
+
+    flags = dict(max_steps=4, save_steps=2, per_device_train_batch_size=4, train_type=train_type)
+    flags |= dict(learning_rate="5e-3" if train_type == "lora" else "1e-4", lora_dropout=0)
+    assert main(rlhf(tiny_model_dir, pairs, tmp_path / "straight", **flags)) == 0
+    real_loss, calls = DPO.loss, {"n": 0}
+
+    def crashing_loss(self, model, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Crash  # as if killed after the step-2 checkpoint
+        return real_loss(self, model, batch)
+
+    monkeypatch.setattr(DPO, "loss", crashing_loss)
+    with pytest.raises(Crash):
+        main(rlhf(tiny_model_dir, pairs, tmp_path / "resumed", **flags))
+    monkeypatch.setattr(DPO, "loss", real_loss)
+    resumed = rlhf(tiny_model_dir, pairs, tmp_path / "resumed", **flags)
+    assert main([*resumed, "--resume_from_checkpoint", "auto"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    weights = "adapter_model.safetensors" if train_type == "lora" else "model.safetensors"
+    a = load_file(tmp_path / "straight" / "final" / weights)
+    b = load_file(tmp_path / "resumed" / "final" / weights)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    for key in ("loss", "rewards/margins"):
+        straight = logged(tmp_path / "straight", key)[-2:]
+        assert logged(tmp_path / "resumed", key)[-2:] == pytest.approx(straight, abs=1e-6)
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm rlhf --resume_from_checkpoint` with another --beta, --loss_type or "
+    "--rlhf_type than the run was saved with",
+    outcome="Error naming each `--flag: saved X, now Y`; nothing is trained",
+)
+def test_resuming_with_another_beta_is_refused(tiny_model_dir, pairs, tmp_path, capsys):
+    flags = dict(max_steps=2, save_steps=2, per_device_train_batch_size=4)
+    assert main(rlhf(tiny_model_dir, pairs, tmp_path / "run", **flags)) == 0
+    again = rlhf(tiny_model_dir, pairs, tmp_path / "run", **{**flags, "max_steps": 4}, beta=0.5)
+    assert main([*again, "--resume_from_checkpoint", "auto"]) == 2
+    assert "--beta: saved 0.1, now 0.5" in capsys.readouterr().err

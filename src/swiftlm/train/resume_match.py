@@ -4,7 +4,7 @@ config.yaml of that run:
 
 - MUST_MATCH: the model and tuner shape the saved weights belong to; the data, batching and
   seed that the saved data position counts micro-batches of; the optimizer settings and the
-  schedule's shape. The batch size is compared across data-parallel ranks: a run may resume
+  schedule's shape; the objective of `swiftlm rlhf` (method, beta, loss type and weights). The batch size is compared across data-parallel ranks: a run may resume
   on another number of processes with the same samples per step (2 ranks x 2 = 1 x 4). The optimizer's saved state brings back its learning rate, betas, eps and
   weight decay (`Optimizer.load_state_dict`), and the schedule its base learning rate, so a
   new value there would be silently ignored. Any difference is a ConfigError naming each
@@ -86,6 +86,14 @@ MUST_MATCH = {
     "adam_beta1": _always,
     "adam_beta2": _always,
     "adam_epsilon": _always,
+    # The objective (swiftlm rlhf): a resumed run continues the same optimization.
+    "rlhf_type": _always,
+    "beta": _always,
+    "loss_type": _always,
+    "label_smoothing": _always,
+    "rpo_alpha": _always,
+    "simpo_gamma": _always,
+    "cpo_alpha": _always,
 }
 
 
