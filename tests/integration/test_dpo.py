@@ -72,27 +72,36 @@ def test_accumulating_4_micro_batches_of_1_equals_1_batch_of_4(tiny_model_dir, p
     assert max_weight_difference(one, four) < 1e-5
 
 
-def test_the_loss_of_a_batch_equals_an_independent_computation(tiny_model_dir, tmp_path):
-    """Per-answer log-probs from separate forwards of each conversation (transformers, no
-    padding), the reference with peft's adapter disabled, and DPO's formula by hand."""
+def loss_on_three_pairs(model_dir, flags: dict):
+    """(method, encoded samples, a LoRA model with random adapter weights, loss, metrics) of
+    one micro-batch of ROWS' first three pairs under `swiftlm rlhf` `flags`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.data.encode import IGNORE_INDEX
+    from swiftlm.methods import METHODS
     from swiftlm.methods.base import Layout
-    from swiftlm.methods.dpo import DPO
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = from_flat_dict(RLHFConfig, {"beta": 0.3, "rpo_alpha": 0.5, "max_length": 64})
-    method = DPO(cfg, tokenizer)
+    cfg = from_flat_dict(RLHFConfig, {**flags, "max_length": 64})
+    method = METHODS[cfg.rlhf.rlhf_type](cfg, AutoTokenizer.from_pretrained(model_dir))
     samples = method.encode([method.to_sample(row) for row in ROWS[:3]]).samples
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = get_peft_model(base, lora)
-    loss, metrics = method.loss(model, method.collate(Layout([[s] for s in samples], False)))
+    batch = method.collate(Layout([[s] for s in samples], False))
+    return method, samples, model, *method.loss(model, batch)
+
+
+def test_the_loss_of_a_batch_equals_an_independent_computation(tiny_model_dir, tmp_path):
+    """Per-answer log-probs from separate forwards of each conversation (transformers, no
+    padding), the reference with peft's adapter disabled, and DPO's formula by hand."""
+    from swiftlm.data.encode import IGNORE_INDEX
+    from swiftlm.methods.base import Layout
+
+    flags = {"beta": 0.3, "rpo_alpha": 0.5}
+    method, samples, model, loss, metrics = loss_on_three_pairs(tiny_model_dir, flags)
 
     def answer_logp(ids, labels, adapter: bool) -> tuple[float, int]:
         with torch.no_grad(), model.disable_adapter() if not adapter else _nothing():

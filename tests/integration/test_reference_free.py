@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-from test_dpo import ROWS, rlhf
+from test_dpo import ROWS, loss_on_three_pairs, rlhf
 
 from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
+from swiftlm.data.encode import IGNORE_INDEX
 
 
 def log_sigmoid(x: float) -> float:
@@ -39,31 +40,15 @@ SETTINGS = {
 
 @pytest.mark.parametrize("kind", SETTINGS)
 def test_the_loss_of_a_batch_equals_the_formula(kind, tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from swiftlm.config import RLHFConfig
-    from swiftlm.config.parse import from_flat_dict
-    from swiftlm.data.encode import IGNORE_INDEX
-    from swiftlm.methods import METHODS
-    from swiftlm.methods.base import Layout
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = from_flat_dict(RLHFConfig, {**SETTINGS[kind], "max_length": 64})
-    method = METHODS[cfg.rlhf.rlhf_type](cfg, tokenizer)
-    samples = method.encode([method.to_sample(row) for row in ROWS[:3]]).samples
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = get_peft_model(base, lora)
-    loss, metrics = method.loss(model, method.collate(Layout([[s] for s in samples], False)))
+    _, samples, model, loss, metrics = loss_on_three_pairs(tiny_model_dir, SETTINGS[kind])
 
     def answer(sample, side) -> tuple[float, int]:
         ids, labels = sample[f"{side}_input_ids"], sample[f"{side}_labels"]
         with torch.no_grad():
             logps = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
-        picked = [logps[t - 1, ids[t]].item() for t in range(1, len(ids)) if labels[t] != -100]
-        assert IGNORE_INDEX == -100
+        picked = [
+            logps[t - 1, ids[t]].item() for t in range(1, len(ids)) if labels[t] != IGNORE_INDEX
+        ]
         return sum(picked), len(picked)
 
     expected = 0.0
