@@ -26,21 +26,35 @@ class InferEngine(Protocol):
     def stream(self, conversation: list[dict], gen: GenerationArguments) -> Iterator[str]: ...
 
 
-def build_chat_engine(
-    spec: InferenceModel, model_args: ModelArguments, seed: int, max_num_seqs: int = 32
-) -> "ChatEngine":
-    """The model of `spec` with its adapters merged in (infer serves one model)."""
-    engine = build_engine(
+def engine_for_model(
+    spec: InferenceModel,
+    model_args: ModelArguments,
+    seed: int,
+    max_num_seqs: int = 32,
+    adapters: dict[str, str] | None = None,
+    max_model_len: int | None = None,
+) -> ContinuousEngine:
+    """The engine for a resolved model: its run adapters merged in, `adapters` (name -> folder)
+    served unmerged beside it (`swiftlm deploy`)."""
+    return build_engine(
         spec.base_path,
         tokenizer_path=spec.tokenizer_path,
         merge_adapters=spec.adapters,
+        adapters=adapters,
         torch_dtype=spec.torch_dtype,
         device=model_args.device,
         attn_impl=model_args.attn_impl,
         max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
         seed=seed,
     )
-    return ChatEngine(engine)
+
+
+def build_chat_engine(
+    spec: InferenceModel, model_args: ModelArguments, seed: int, max_num_seqs: int = 32
+) -> "ChatEngine":
+    """The model of `spec` with its adapters merged in (infer serves one model)."""
+    return ChatEngine(engine_for_model(spec, model_args, seed, max_num_seqs))
 
 
 class ChatEngine:

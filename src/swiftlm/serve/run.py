@@ -58,20 +58,16 @@ def run(cfg: DeployConfig) -> None:
 
 
 def start_engine(cfg: DeployConfig, plan: DeployPlan):
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.infer.frontend import engine_for_model
 
-    spec = plan.spec
-    return build_engine(
-        spec.base_path,
-        tokenizer_path=spec.tokenizer_path,
-        merge_adapters=spec.adapters,
+    d = cfg.deploy
+    return engine_for_model(
+        plan.spec,
+        cfg.model,
+        cfg.infer.seed,
+        max_num_seqs=d.max_num_seqs,
         adapters=plan.named_adapters,
-        torch_dtype=spec.torch_dtype,
-        device=cfg.model.device,
-        attn_impl=cfg.model.attn_impl,
-        max_num_seqs=cfg.deploy.max_num_seqs,
-        max_model_len=cfg.deploy.max_model_len,
-        seed=cfg.infer.seed,
+        max_model_len=d.max_model_len,
     )
 
 
