@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from swiftlm.losses.preference import (
+    CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
     cpo_losses,
     dpo_losses,
@@ -223,8 +224,7 @@ def test_other_losses_gradients_flow():
 
 
 def test_the_loss_type_flag_offers_exactly_the_implemented_losses():
-    from typing import get_args
+    from swiftlm.config import sections_rlhf
 
-    from swiftlm.config.sections_rlhf import DpoLossType
-
-    assert get_args(DpoLossType) == DPO_LOSS_TYPES
+    assert sections_rlhf.DPO_LOSS_TYPES == DPO_LOSS_TYPES
+    assert sections_rlhf.LOSS_TYPES["cpo"] == CPO_LOSS_TYPES

@@ -12,6 +12,7 @@ from swiftlm.config.sections import (
     TunerArguments,
 )
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
+from swiftlm.config.sections_online import GKDArguments, GRPOArguments, settle_online
 from swiftlm.config.sections_rlhf import RLHFArguments
 from swiftlm.config.sections_serve import DeployArguments
 
@@ -31,9 +32,14 @@ class TrainConfig:
 
 @dataclass
 class RLHFConfig(TrainConfig):
-    """`swiftlm rlhf`: a training run on preference data, with the method's settings."""
+    """`swiftlm rlhf`: a training run with an alignment method, and the method's settings."""
 
     rlhf: RLHFArguments = field(default_factory=RLHFArguments)
+    grpo: GRPOArguments = field(default_factory=GRPOArguments)
+    gkd: GKDArguments = field(default_factory=GKDArguments)
+
+    def __post_init__(self):
+        settle_online(self.rlhf.rlhf_type, self.grpo, self.gkd)
 
 
 @dataclass

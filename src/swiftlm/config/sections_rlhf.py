@@ -11,32 +11,58 @@ from swiftlm.config.sections import doc
 from swiftlm.errors import ConfigError
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # losses.preference.CPO_LOSS_TYPES (tested)
-
 # The DPO loss types of losses.preference.DPO_LOSS_TYPES (a test keeps the two equal).
-DpoLossType = Literal[
+DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "sppo_hard", "aot",
     "aot_pair", "apo_zero", "apo_down", "discopop",
-]  # fmt: skip
+)  # fmt: skip
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # losses.rl.GRPO_LOSS_TYPES (tested)
+
+RLHF_TYPES = ("dpo", "simpo", "orpo", "cpo", "kto", "rm", "grpo", "gkd")
+# Per method: the loss types it accepts (the first is its default; empty: --loss_type is not
+# read) and its default beta (None: --beta is not read).
+LOSS_TYPES: dict[str, tuple[str, ...]] = {
+    "dpo": DPO_LOSS_TYPES,
+    "simpo": ("sigmoid",),
+    "orpo": ("sigmoid",),
+    "cpo": CPO_LOSS_TYPES,
+    "kto": KTO_LOSS_TYPES,
+    "rm": (),
+    "grpo": GRPO_LOSS_TYPES,
+    "gkd": (),
+}
+# ms-swift's defaults (TRL's differ for grpo: beta 0.0; see the README's table).
+DEFAULT_BETA: dict[str, float | None] = {
+    "dpo": 0.1, "simpo": 2.0, "orpo": 0.1, "cpo": 0.1, "kto": 0.1, "rm": None, "grpo": 0.04,
+    "gkd": 0.5,
+}  # fmt: skip
 
 
 @dataclass
 class RLHFArguments:
-    rlhf_type: Literal["dpo", "simpo", "orpo", "cpo"] = doc(
-        "Preference method. dpo: against a reference model (the base with the LoRA adapter "
-        "disabled, or a frozen copy with full fine-tuning); simpo, orpo, cpo: without one.",
+    rlhf_type: Literal["dpo", "simpo", "orpo", "cpo", "kto", "rm", "grpo", "gkd"] = doc(
+        "Method. dpo: preference pairs against a reference model (the base with the LoRA "
+        "adapter disabled, or a frozen copy with full fine-tuning); simpo, orpo, cpo: pairs "
+        "without one; kto: unpaired answers labelled good or bad; rm: a reward model (value "
+        "head, Bradley-Terry); grpo: RL from reward functions on the model's own samples; gkd: "
+        "on-policy distillation from --teacher_model.",
         default="dpo",
     )
     beta: float | None = doc(
-        "Strength of the preference term (DPO's beta). Default: 2.0 for simpo, 0.1 otherwise "
-        "(ms-swift's).",
+        "dpo/kto/cpo/orpo/simpo: strength of the preference term; grpo: weight of the KL to "
+        "the reference (0: no reference model is loaded); gkd: the generalized JSD's "
+        "interpolation (0: forward KL, 1: reverse KL). Default (ms-swift's): 0.1; simpo 2.0, "
+        "grpo 0.04, gkd 0.5. rm does not read it.",
         default=None,
     )
-    loss_type: DpoLossType = doc(
-        "dpo: sigmoid (DPO), hinge (SLiC), ipo, robust (rDPO), exo_pair, nca_pair, sppo_hard, "
-        "aot, aot_pair, apo_zero, apo_down, discopop (aot and aot_pair sort over the "
-        "micro-batch, so they depend on how a step is split); cpo: sigmoid, hinge, ipo; "
-        "simpo and orpo: sigmoid only.",
-        default="sigmoid",
+    loss_type: str | None = doc(
+        "dpo: sigmoid (DPO, default), hinge (SLiC), ipo, robust (rDPO), exo_pair, nca_pair, "
+        "sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop (aot and aot_pair sort over "
+        "the micro-batch, so they depend on how a step is split); cpo: sigmoid, hinge, ipo; "
+        "simpo and orpo: sigmoid; kto: kto, apo_zero_unpaired; grpo: grpo (default), bnpo, "
+        "dr_grpo, dapo (see the README's GRPO section); rm and gkd: none.",
+        default=None,
     )
     label_smoothing: float = doc(
         "Assumed share of flipped preference labels (cDPO, robust, exo_pair, aot, simpo, cpo).",
@@ -54,11 +80,19 @@ class RLHFArguments:
     )
 
     def __post_init__(self):
-        if self.beta is None:  # the effective value is what config.yaml records
-            self.beta = 2.0 if self.rlhf_type == "simpo" else 0.1
+        # The effective values are what config.yaml records and the run prints.
+        kind = self.rlhf_type
+        if kind not in RLHF_TYPES:  # a saved or YAML config is not checked by argparse
+            raise ConfigError(f"--rlhf_type {kind}: choose one of {', '.join(RLHF_TYPES)}")
+        if self.beta is None:
+            self.beta = DEFAULT_BETA[kind]
+        if self.loss_type is None and LOSS_TYPES[kind]:
+            self.loss_type = LOSS_TYPES[kind][0]
+        # grpo: beta 0 drops the KL term and the reference; gkd: 0 is forward KL, 1 reverse.
+        beta_check = {"grpo": at_least(0), "gkd": within(0, 1)}.get(kind, above(0))
         check_fields(
             self,
-            beta=above(0),
+            beta=beta_check,
             label_smoothing=within(0, 0.5, open_high=True),
             rpo_alpha=at_least(0),
             simpo_gamma=at_least(0),
@@ -69,17 +103,29 @@ class RLHFArguments:
     def _check_method_flags(self) -> None:
         """A flag the chosen --rlhf_type does not read is an error, not silently ignored."""
         kind = self.rlhf_type
-        accepted = {"dpo": None, "cpo": CPO_LOSS_TYPES, "simpo": ("sigmoid",), "orpo": ("sigmoid",)}
-        if accepted[kind] is not None and self.loss_type not in accepted[kind]:
+        accepted = LOSS_TYPES[kind]
+        if self.loss_type is not None and self.loss_type not in accepted:
+            if not accepted:
+                raise ConfigError(f"--loss_type is not used by --rlhf_type {kind}: drop it")
+            owners = [k for k, types in LOSS_TYPES.items() if self.loss_type in types]
+            hint = (
+                f"; {self.loss_type} is a loss of --rlhf_type {'/'.join(owners)}" if owners else ""
+            )
             raise ConfigError(
                 f"--loss_type {self.loss_type}: --rlhf_type {kind} accepts "
-                f"{', '.join(accepted[kind])}; the other loss types are DPO's (--rlhf_type dpo)"
+                f"{', '.join(accepted)}{hint}"
             )
+        if DEFAULT_BETA[kind] is None and self.beta is not None:
+            raise ConfigError(f"--beta is not used by --rlhf_type {kind}: drop it")
+        readers = {  # flag: (the methods that read it, its default)
+            "rpo_alpha": (("dpo",), None),
+            "label_smoothing": (("dpo", "simpo", "cpo"), 0.0),
+            "simpo_gamma": (("simpo",), 1.0),
+            "cpo_alpha": (("simpo", "cpo"), 1.0),
+        }
         unread = {
-            "rpo_alpha": kind != "dpo" and self.rpo_alpha is not None,
-            "label_smoothing": kind == "orpo" and self.label_smoothing != 0,
-            "simpo_gamma": kind != "simpo" and self.simpo_gamma != 1.0,
-            "cpo_alpha": kind in ("dpo", "orpo") and self.cpo_alpha != 1.0,
+            flag: kind not in methods and getattr(self, flag) != default
+            for flag, (methods, default) in readers.items()
         }
         for flag, given in unread.items():
             if given:

@@ -1,0 +1,183 @@
+"""The config sections of the online methods of `swiftlm rlhf`: GRPO (rollouts, advantages,
+rewards) and GKD (the teacher). Same conventions as `sections.py`. Both sample from the policy
+through the serving engine, so the sampling flags (`--max_completion_length`,
+`--temperature`, `--top_p`) live in the GRPO section and GKD reads them too.
+
+Which flags a method reads, and its per-method defaults, are settled by `settle_online` when
+the whole `RLHFConfig` is built: a flag the chosen `--rlhf_type` does not read is an error.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from swiftlm.config.checks import above, at_least, check_fields, within
+from swiftlm.config.sections import doc
+from swiftlm.errors import ConfigError
+
+BUILTIN_REWARDS = ("accuracy", "format", "length", "repetition")
+# ms-swift's (and DeepSeek-R1's) reasoning format.
+DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+# Per method: the defaults that differ (TRL's GKD samples at 0.9, as ms-swift's).
+METHOD_DEFAULTS = {
+    "grpo": {"temperature": 1.0, "max_completion_length": 256},
+    "gkd": {"temperature": 0.9, "max_completion_length": 128},
+}
+
+
+@dataclass
+class GRPOArguments:
+    num_generations: int = doc(
+        "grpo: completions sampled per prompt (a group). --per_device_train_batch_size counts "
+        "completions, as in TRL and ms-swift, and must be a multiple of it.",
+        default=8,
+    )
+    max_completion_length: int | None = doc(
+        "grpo, gkd: tokens sampled per completion at most. Default: 256 (grpo), 128 (gkd).",
+        default=None,
+    )
+    temperature: float | None = doc(
+        "grpo, gkd: sampling temperature of the rollouts; the trainer scales its logits by "
+        "the same value. Default: 1.0 (grpo), 0.9 (gkd).",
+        default=None,
+    )
+    top_p: float = doc("grpo, gkd: nucleus sampling of the rollouts.", default=1.0)
+    epsilon: float = doc("grpo: the clip range of the importance ratio (low side).", default=0.2)
+    epsilon_high: float | None = doc(
+        "grpo: the clip range's high side (DAPO's clip-higher). Default: --epsilon.", default=None
+    )
+    importance_sampling_level: Literal["token", "sequence"] = doc(
+        "grpo: the importance ratio per token (GRPO) or per sequence (GSPO).", default="token"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = doc(
+        "grpo: divide advantages by the reward std of the group, of the whole step (over every "
+        "rank), or not at all (Dr. GRPO).",
+        default="group",
+    )
+    advantage_estimator: Literal["grpo", "rloo"] = doc(
+        "grpo: the baseline of a completion's reward: its group's mean (grpo) or the mean of "
+        "the others of its group (rloo).",
+        default="grpo",
+    )
+    dynamic_sample: bool = doc(
+        "grpo: sample a group again (new seeds) while all its rewards agree, up to "
+        "--max_resample_times (DAPO's dynamic sampling, on the same prompts).",
+        default=False,
+    )
+    max_resample_times: int = doc("grpo: resampling rounds of --dynamic_sample.", default=3)
+    steps_per_generation: int | None = doc(
+        "grpo: micro-batches trained on the completions of one generation (TRL's and "
+        "ms-swift's meaning). Default: --gradient_accumulation_steps, one generation per "
+        "optimizer step; a multiple of it reuses a generation over several optimizer steps "
+        "(then the importance ratio and the clip matter).",
+        default=None,
+    )
+    reward_funcs: list[str] = doc(
+        "grpo: reward functions, built in (accuracy: the completion's final answer equals the "
+        "row's `solution`, numbers compared as numbers; format: the completion matches "
+        "--format_pattern; length: DAPO's soft over-long penalty; repetition: minus the "
+        "share of repeated n-grams) or `file.py:function` (called as "
+        "function(prompts=, completions=, **row columns) -> one float per completion).",
+        default_factory=lambda: ["accuracy"],
+    )
+    reward_weights: list[float] | None = doc(
+        "grpo: one weight per --reward_funcs entry. Default: 1 each.", default=None
+    )
+    reward_timeout: float = doc(
+        "grpo: seconds a user reward function may take per call; a call that takes longer or "
+        "raises is reported with its sample and counted, and gives no reward (the run goes on).",
+        default=30.0,
+    )
+    format_pattern: str = doc(
+        "grpo: the regular expression of the `format` reward (full match, dot matches newline).",
+        default=DEFAULT_FORMAT_PATTERN,
+    )
+    soft_cache_length: int | None = doc(
+        "grpo: the `length` reward's ramp: completions longer than --max_completion_length "
+        "minus this lose reward linearly, down to -1 at the limit. Default: a quarter of "
+        "--max_completion_length.",
+        default=None,
+    )
+    repetition_n_grams: int = doc("grpo: the n of the `repetition` reward.", default=3)
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            num_generations=at_least(2, note="advantages compare a completion with its group"),
+            max_completion_length=at_least(1),
+            temperature=above(0, note="the policy is sampled; 0 would be greedy"),
+            top_p=within(0, 1, open_low=True),
+            epsilon=within(0, 1, open_low=True),
+            epsilon_high=within(0, 10, open_low=True),
+            max_resample_times=at_least(1),
+            steps_per_generation=at_least(1),
+            reward_timeout=above(0),
+            soft_cache_length=at_least(1),
+            repetition_n_grams=at_least(1),
+        )
+
+
+@dataclass
+class GKDArguments:
+    teacher_model: str | None = doc(
+        "gkd: the teacher (a folder, hub id or .gguf), with the student's tokenizer.",
+        default=None,
+    )
+    lmbda: float = doc(
+        "gkd: the share of steps trained on the student's own samples (on-policy); the others "
+        "train on the dataset's answers.",
+        default=0.5,
+    )
+    seq_kd: bool = doc(
+        "gkd: on the off-policy steps, train on the teacher's samples instead of the "
+        "dataset's answers (sequence-level KD).",
+        default=False,
+    )
+    gkd_logits_topk: int | None = doc(
+        "gkd: compare the distributions on the teacher's top-k tokens only (saves memory on "
+        "large vocabularies). None: the whole vocabulary.",
+        default=None,
+    )
+
+    def __post_init__(self):
+        check_fields(self, lmbda=within(0, 1), gkd_logits_topk=at_least(1))
+
+
+def settle_online(rlhf_type: str, grpo: GRPOArguments, gkd: GKDArguments) -> None:
+    """Fill the chosen method's defaults; refuse online flags it does not read."""
+    reads_sampling = rlhf_type in METHOD_DEFAULTS
+    for name, value in METHOD_DEFAULTS.get(rlhf_type, {}).items():
+        if getattr(grpo, name) is None:
+            setattr(grpo, name, value)
+    sampling = {"max_completion_length", "temperature", "top_p"}
+    for section, owner in ((grpo, "grpo"), (gkd, "gkd")):
+        for f in fields(section):
+            reader = reads_sampling if f.name in sampling else rlhf_type == owner
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            if not reader and getattr(section, f.name) != default:
+                raise ConfigError(
+                    f"--{f.name} is not used by --rlhf_type {rlhf_type}: drop it, or pick the "
+                    "method that reads it (see `swiftlm rlhf --help`)"
+                )
+    if rlhf_type == "grpo":
+        _check_grpo(grpo)
+    if rlhf_type == "gkd" and not gkd.teacher_model:
+        raise ConfigError("--rlhf_type gkd needs --teacher_model (a folder, hub id or .gguf)")
+
+
+def _check_grpo(grpo: GRPOArguments) -> None:
+    if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
+        raise ConfigError(
+            f"--reward_weights: {len(grpo.reward_weights)} weights for "
+            f"{len(grpo.reward_funcs)} --reward_funcs; give one weight per function"
+        )
+    for name in grpo.reward_funcs:
+        if name not in BUILTIN_REWARDS and ":" not in name:
+            raise ConfigError(
+                f"--reward_funcs {name}: not a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
+                "nor `file.py:function`"
+            )
+    if grpo.soft_cache_length is not None and grpo.soft_cache_length >= grpo.max_completion_length:
+        raise ConfigError(
+            f"--soft_cache_length {grpo.soft_cache_length} must be below "
+            f"--max_completion_length {grpo.max_completion_length}"
+        )
