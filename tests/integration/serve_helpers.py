@@ -5,7 +5,7 @@ import threading
 import time
 from collections import deque
 
-from swiftlm.infer.protocol import EngineStats, SampleDelta
+from swiftlm.engine.protocol import EngineStats, SampleDelta
 
 
 def free_port() -> int:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import build_tokenizer, make_tiny_llama
-from swiftlm.infer.continuous import ContinuousEngine
-from swiftlm.infer.protocol import EngineStats, GenerationRequest, SamplingParams
+from swiftlm.engine.continuous import ContinuousEngine
+from swiftlm.engine.protocol import EngineStats, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100, 101, 102, 103, 104, 105, 106], [42] * 12]

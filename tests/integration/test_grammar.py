@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conftest import build_tokenizer, make_tiny_llama
-from swiftlm.infer.continuous import ContinuousEngine
-from swiftlm.infer.protocol import GenerationRequest, SamplingParams
+from swiftlm.engine.continuous import ContinuousEngine
+from swiftlm.engine.protocol import GenerationRequest, SamplingParams
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")

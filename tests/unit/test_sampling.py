@@ -4,9 +4,9 @@ strings."""
 import pytest
 import torch
 
-from swiftlm.infer.detokenize import IncrementalText, StopText
-from swiftlm.infer.protocol import SamplingParams
-from swiftlm.infer.sampling import RowState, apply_penalties, make_generator, next_tokens, warp
+from swiftlm.engine.detokenize import IncrementalText, StopText
+from swiftlm.engine.protocol import SamplingParams
+from swiftlm.engine.sampling import RowState, apply_penalties, make_generator, next_tokens, warp
 
 VOCAB = 50
 
@@ -58,7 +58,7 @@ def test_warping_matches_hf_processors(knobs):
 
 
 def test_top_p_on_a_flat_distribution_matches_hf(monkeypatch):
-    from swiftlm.infer import sampling
+    from swiftlm.engine import sampling
 
     monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 4)  # too few: the bisection decides
     scores = logits(2) / 4
@@ -118,7 +118,7 @@ def test_a_row_generator_makes_sampling_reproducible():
 
 
 def test_draw_follows_the_distribution():
-    from swiftlm.infer.sampling import draw
+    from swiftlm.engine.sampling import draw
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2]])
     generator = make_generator(1)

@@ -9,10 +9,9 @@ all sharing one copy of the base weights and one batch).
 
 import warnings
 
+from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
 from swiftlm.errors import ModelLoadError
-from swiftlm.infer.continuous import ContinuousEngine
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
-from swiftlm.models.templates import end_of_turn_token
 
 
 def build_engine(
@@ -105,11 +104,3 @@ class _adapter_errors:
                 "was it trained on a different base model? Pass the right one with --model"
             ) from exc
         return False
-
-
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """Token ids that end an answer: EOS, the chat template's end-of-turn, the model's EOS."""
-    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))]
-    model_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids += model_eos if isinstance(model_eos, list) else [model_eos]
-    return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from swiftlm.config import GenerationArguments, ModelArguments
-from swiftlm.infer.continuous import ContinuousEngine
+from swiftlm.engine.continuous import ContinuousEngine
+from swiftlm.engine.protocol import GenerationRequest, SampleDelta, SamplingParams
 from swiftlm.infer.engine import build_engine
-from swiftlm.infer.protocol import GenerationRequest, SampleDelta, SamplingParams
 from swiftlm.infer.resolve import InferenceModel
 
 

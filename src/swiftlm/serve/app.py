@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from swiftlm.infer.protocol import Engine
+from swiftlm.engine.protocol import Engine
 from swiftlm.serve.completions import Completions
 from swiftlm.serve.errors import install_error_handlers
 from swiftlm.serve.generation import now_s

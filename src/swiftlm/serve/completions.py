@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from swiftlm.infer.protocol import Engine, GenerationRequest, SampleDelta, SamplingParams
+from swiftlm.engine.protocol import Engine, GenerationRequest, SampleDelta, SamplingParams
 from swiftlm.serve import responses as r
 from swiftlm.serve.errors import APIError, error_body
 from swiftlm.serve.generation import (

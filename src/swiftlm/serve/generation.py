@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from swiftlm.infer.protocol import Engine, GenerationRequest, SampleDelta, TokenLogprob
+from swiftlm.engine.protocol import Engine, GenerationRequest, SampleDelta, TokenLogprob
 from swiftlm.serve.errors import APIError
 
 # How often a consumer waiting for tokens checks whether its client is still connected.

@@ -5,7 +5,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from swiftlm.infer.protocol import Engine, SampleDelta
+from swiftlm.engine.protocol import Engine, SampleDelta
 
 # Seconds; from a fast GPU's first token to a slow CPU's long answer.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

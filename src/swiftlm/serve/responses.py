@@ -3,7 +3,7 @@
 import json
 from collections.abc import Sequence
 
-from swiftlm.infer.protocol import TokenLogprob
+from swiftlm.engine.protocol import TokenLogprob
 from swiftlm.serve.generation import Sample
 
 

@@ -6,7 +6,7 @@ engine, and fails with a 4xx `APIError` naming the field.
 
 from dataclasses import dataclass
 
-from swiftlm.infer.protocol import SamplingParams
+from swiftlm.engine.protocol import SamplingParams
 from swiftlm.serve.errors import APIError
 from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from swiftlm.serve.tools import check_renders_tools, template_message, template_tools

@@ -4,9 +4,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from swiftlm.infer.detokenize import IncrementalText, StopText
-from swiftlm.infer.protocol import GenerationRequest, SampleDelta, TokenLogprob
-from swiftlm.infer.sampling import RowState
+from swiftlm.engine.detokenize import IncrementalText, StopText
+from swiftlm.engine.protocol import GenerationRequest, SampleDelta, TokenLogprob
+from swiftlm.engine.sampling import RowState
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,10 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per token (needs logprobs)
+    # "raw": log-probs of the model's logits (what OpenAI and vLLM report); "scaled": of the
+    # logits divided by the temperature, before penalties and truncation: the distribution a
+    # trainer recomputes for RL (GRPO's importance ratio, the engine/trainer mismatch).
+    logprobs_mode: str = "raw"
 
     def check(self, max_n: int = 16, max_top_logprobs: int = 20) -> str | None:
         """The first bad value as `field value: what it must be`, or None when all are good."""
@@ -65,6 +69,8 @@ class SamplingParams:
                 return f"{name} {getattr(self, name)}: {must}"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs true"
+        if self.logprobs_mode not in ("raw", "scaled"):
+            return f"logprobs_mode {self.logprobs_mode}: must be raw or scaled"
         return None
 
 
@@ -103,8 +109,9 @@ class Constraint(Protocol):
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token, its log-probability under the sampling distribution's logits before
-    temperature and truncation (what OpenAI and vLLM report), and the top alternatives."""
+    """A generated token, its log-probability (under the raw logits, what OpenAI and vLLM
+    report, or the temperature-scaled ones: `SamplingParams.logprobs_mode`), and the top
+    alternatives."""
 
     token_id: int
     logprob: float

@@ -12,14 +12,15 @@ from collections.abc import Callable
 
 import torch
 
-from swiftlm.infer.protocol import (
+from swiftlm.engine.protocol import (
     EngineStats,
     GenerationRequest,
     SampleDelta,
     SampleResult,
     SamplingParams,
 )
-from swiftlm.infer.scheduler import Scheduler, Submitted
+from swiftlm.engine.scheduler import Scheduler, Submitted
+from swiftlm.models.templates import end_of_turn_token
 
 log = logging.getLogger(__name__)
 MAX_N = 16  # samples per request at most (the server caps `n` with this too)
@@ -209,3 +210,11 @@ class _Collector:
         if self.error:
             raise RuntimeError(f"generation failed: {self.error}")
         return self.results
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Token ids that end an answer: EOS, the chat template's end-of-turn, the model's EOS."""
+    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))]
+    model_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids += model_eos if isinstance(model_eos, list) else [model_eos]
+    return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})

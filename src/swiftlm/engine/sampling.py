@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiftlm.infer.protocol import ConstraintMatcher, SamplingParams, TokenLogprob
+from swiftlm.engine.protocol import ConstraintMatcher, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -169,14 +169,16 @@ def _mass_threshold(probs: torch.Tensor, mass: torch.Tensor, steps: int = 40) ->
 def chosen_logprobs(
     logits: torch.Tensor, chosen: torch.Tensor, rows: list[RowState]
 ) -> list[TokenLogprob | None]:
-    """Per row that asked: the chosen token's log-probability under the raw logits (before
-    penalties, temperature and truncation, as OpenAI and vLLM report) and its top alternatives."""
+    """Per row that asked: the chosen token's log-probability and its top alternatives, under
+    the raw logits (before penalties, temperature and truncation, as OpenAI and vLLM report)
+    or, with logprobs_mode "scaled", under the logits divided by the row's temperature."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
     result: list[TokenLogprob | None] = [None] * len(rows)
     if not wanted:
         return result
     index = torch.tensor(wanted)
-    logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
+    logprobs = _scaled(logits.index_select(0, index).float(), [rows[i] for i in wanted])
+    logprobs = logprobs.log_softmax(dim=-1)
     most = max(rows[i].params.top_logprobs for i in wanted)
     top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
     for position, i in enumerate(wanted):
@@ -188,3 +190,16 @@ def chosen_logprobs(
             top = tuple(zip(ids, values, strict=True))
         result[i] = TokenLogprob(token, float(logprobs[position, token]), top)
     return result
+
+
+def _scaled(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+    """Rows in logprobs_mode "scaled" divided by their temperature (greedy rows: by 1)."""
+    divisors = [
+        row.params.temperature
+        if row.params.logprobs_mode == "scaled" and row.params.temperature > 0
+        else 1.0
+        for row in rows
+    ]
+    if all(d == 1.0 for d in divisors):
+        return logits
+    return logits / torch.tensor(divisors, dtype=logits.dtype).unsqueeze(1)

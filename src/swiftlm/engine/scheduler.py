@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from swiftlm.infer.detokenize import IncrementalText, StopText
-from swiftlm.infer.kvcache import BatchKV
-from swiftlm.infer.protocol import GenerationRequest, SampleDelta
-from swiftlm.infer.sampling import RowState, chosen_logprobs, make_generator, next_tokens
-from swiftlm.infer.sequence import Sequence
+from swiftlm.engine.detokenize import IncrementalText, StopText
+from swiftlm.engine.kvcache import BatchKV
+from swiftlm.engine.protocol import GenerationRequest, SampleDelta
+from swiftlm.engine.sampling import RowState, chosen_logprobs, make_generator, next_tokens
+from swiftlm.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
