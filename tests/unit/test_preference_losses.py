@@ -10,12 +10,16 @@ import torch
 from swiftlm.losses.preference import (
     CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
+    RunningMean,
+    bco_batch_reward,
     cpo_losses,
     dpo_losses,
     dpo_rewards,
     kto_losses,
     orpo_losses,
     simpo_losses,
+    weighted_dpo_losses,
 )
 
 B = 5
@@ -51,7 +55,7 @@ def pairs(seed):
     return [base + 2.0 * noise[i] for i in range(4)]
 
 
-def ref_dpo(c, r, c0, r0, beta, loss_type, ls, tau):
+def ref_dpo(c, r, c0, r0, beta, loss_type, ls, tau, shift=0.0):
     """The per-pair losses for lists of floats (aot sorts over the whole batch)."""
     n = len(c)
     uc = [c[i] - c0[i] for i in range(n)]
@@ -89,6 +93,8 @@ def ref_dpo(c, r, c0, r0, beta, loss_type, ls, tau):
         elif loss_type == "discopop":
             m = sig(z / tau)
             v = -logsig(z) * (1 - m) + math.exp(-z) * m
+        elif loss_type == "bco_pair":
+            v = -logsig(beta * uc[i] - shift) - logsig(-(beta * ur[i] - shift))
         out.append(v)
     return out
 
@@ -228,3 +234,71 @@ def test_the_loss_type_flag_offers_exactly_the_implemented_losses():
 
     assert sections_rlhf.DPO_LOSS_TYPES == DPO_LOSS_TYPES
     assert sections_rlhf.LOSS_TYPES["cpo"] == CPO_LOSS_TYPES
+    assert sections_rlhf.LOSS_TYPES["kto"] == KTO_LOSS_TYPES
+
+
+def test_bco_pair_with_a_shift_matches_scalar_reference():
+    for seed in SEEDS:
+        tensors = pairs(seed)
+        floats = [t.tolist() for t in tensors]
+        for beta in BETAS:
+            for shift in (-0.7, 0.0, 1.3):
+                got = dpo_losses(*tensors, beta=beta, loss_type="bco_pair", bco_shift=shift)
+                assert_close(got, ref_dpo(*floats, beta, "bco_pair", 0.0, 0.05, shift))
+
+
+def test_bco_batch_reward_is_the_mean_over_both_answers_without_padding():
+    c, r, c0, r0 = pairs(2)
+    beta = 0.2
+    policy, reference = c.tolist() + r.tolist(), c0.tolist() + r0.tolist()
+    rewards = [beta * (a - b) for a, b in zip(policy, reference, strict=True)]
+    assert bco_batch_reward(c, r, c0, r0, beta=beta).item() == pytest.approx(
+        sum(rewards) / len(rewards), abs=TOL
+    )
+    weight = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])  # pairs 2 and 4 are padding
+    kept = [rewards[i] for i in (0, 1, 3)] + [rewards[B + i] for i in (0, 1, 3)]
+    got = bco_batch_reward(c, r, c0, r0, beta=beta, weight=weight).item()
+    assert got == pytest.approx(sum(kept) / 6, abs=TOL)
+
+
+def test_running_mean_is_the_average_of_the_values_seen():
+    """TRL's RunningMoments with a count of 1 per update and an initial count of 1e-24."""
+    values = [0.5, -1.25, 2.0, 0.125]
+    running, trl_mean, trl_count = RunningMean(), 0.0, 1e-24
+    for k, value in enumerate(values, start=1):
+        got = running.update(value)
+        delta = value - trl_mean
+        trl_count, trl_mean = trl_count + 1, trl_mean + delta * 1 / (trl_count + 1)
+        assert got == pytest.approx(sum(values[:k]) / k, abs=1e-12)
+        assert got == pytest.approx(trl_mean, abs=1e-12)
+
+
+def test_weighted_dpo_losses_are_the_weighted_sum_of_each_loss():
+    tensors = pairs(3)
+    got = weighted_dpo_losses(
+        *tensors, loss_types=["sigmoid", "bco_pair"], loss_weights=[0.8, 0.2], beta=0.1,
+        bco_shift=0.4,
+    )  # fmt: skip
+    sigmoid = dpo_losses(*tensors, beta=0.1, loss_type="sigmoid")
+    bco = dpo_losses(*tensors, beta=0.1, loss_type="bco_pair", bco_shift=0.4)
+    assert torch.allclose(got, 0.8 * sigmoid + 0.2 * bco, rtol=0, atol=TOL)
+    alone = weighted_dpo_losses(*tensors, loss_types=["hinge"], beta=0.1)
+    assert torch.equal(alone, dpo_losses(*tensors, beta=0.1, loss_type="hinge"))
+
+
+def test_apo_zero_unpaired_matches_scalar_reference_and_ignores_the_kl():
+    for seed in SEEDS:
+        policy, ref = logps(seed), logps(seed) + 0.5 * torch.randn(B, dtype=torch.float64)
+        desirable = torch.rand(B) < 0.5
+        for beta in BETAS:
+            got = kto_losses(
+                policy, ref, torch.tensor(5.0, dtype=torch.float64), desirable, beta=beta,
+                desirable_weight=1.5, undesirable_weight=0.7, loss_type="apo_zero_unpaired",
+            )  # fmt: skip
+            expected = [
+                1.5 * (1 - sig(beta * (p - q))) if d else 0.7 * sig(beta * (p - q))
+                for p, q, d in zip(policy.tolist(), ref.tolist(), desirable.tolist(), strict=True)
+            ]
+            assert_close(got, expected)
+    with pytest.raises(ValueError, match="apo_zero_unpaired"):
+        kto_losses(policy, ref, torch.tensor(0.0), desirable, beta=0.1, loss_type="sigmoid")

@@ -106,6 +106,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "max_batch_size",
             "stream",
             "seed",
+            "task",
         }
     ),
     # Requests bring their own prompts and sampling; --system is the one data flag kept.
@@ -123,6 +124,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "result_path",
             "max_batch_size",
             "stream",
+            "task",  # a reward model is served for scoring (/v1/score), found from its files
         }
     ),
 }

@@ -36,6 +36,12 @@ class GenerationArguments:
 
 @dataclass
 class InferArguments:
+    task: Literal["generate", "score"] = doc(
+        "generate: answer the prompts (chat, or --val_dataset in batch). score: write the "
+        "reward of each --val_dataset conversation (it ends with the answer to score) as "
+        "`score`, with a reward model (`swiftlm rlhf --rlhf_type rm`).",
+        default="generate",
+    )
     adapters: list[str] = doc(
         "LoRA/DoRA adapter folders to apply on --model (merged into it). `swiftlm deploy` "
         "takes name=path and serves each adapter, unmerged, as the model `name`.",

@@ -14,7 +14,7 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # losses.preference.CPO_LOSS_TYPES
 # The DPO loss types of losses.preference.DPO_LOSS_TYPES (a test keeps the two equal).
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "sppo_hard", "aot",
-    "aot_pair", "apo_zero", "apo_down", "discopop",
+    "aot_pair", "apo_zero", "apo_down", "discopop", "bco_pair",
 )  # fmt: skip
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # losses.rl.GRPO_LOSS_TYPES (tested)
@@ -56,10 +56,13 @@ class RLHFArguments:
         "grpo 0.04, gkd 0.5. rm does not read it.",
         default=None,
     )
-    loss_type: str | None = doc(
+    # Parsed as a list (`--loss_type sigmoid bco_pair`); one value is stored as a string, which
+    # is what every method but dpo reads.
+    loss_type: list[str] | None = doc(
         "dpo: sigmoid (DPO, default), hinge (SLiC), ipo, robust (rDPO), exo_pair, nca_pair, "
-        "sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop (aot and aot_pair sort over "
-        "the micro-batch, so they depend on how a step is split); cpo: sigmoid, hinge, ipo; "
+        "sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop, bco_pair (aot, aot_pair and "
+        "bco_pair depend on how a step is split into micro-batches); dpo takes several "
+        "(`--loss_type sigmoid bco_pair`, weighted by --loss_weights); cpo: sigmoid, hinge, ipo; "
         "simpo and orpo: sigmoid; kto: kto, apo_zero_unpaired; grpo: grpo (default), bnpo, "
         "dr_grpo, dapo (see the README's GRPO section); rm and gkd: none.",
         default=None,
@@ -78,6 +81,31 @@ class RLHFArguments:
         "simpo and cpo: weight of the chosen answers' token-mean NLL (0: the paper's pure SimPO).",
         default=1.0,
     )
+    loss_weights: list[float] | None = doc(
+        "dpo: one weight per --loss_type; the loss is their weighted sum (TRL's loss_weights). "
+        "Default: 1 for each.",
+        default=None,
+    )
+    ref_model: str | None = doc(
+        "dpo, kto and grpo: the frozen reference model (a folder, hub id or .gguf) instead of the "
+        "initial policy (a frozen copy, or the base with the LoRA adapter disabled). It must "
+        "use the policy's tokenizer (same vocabulary).",
+        default=None,
+    )
+    precompute_ref_log_probs: bool = doc(
+        "dpo: score every pair with the reference once before training and keep the log-probs "
+        "with the samples; the reference model is then freed (full fine-tuning, --ref_model) "
+        "and no step runs it. The losses are the same.",
+        default=False,
+    )
+    desirable_weight: float = doc(
+        "kto: weight of the desirable answers' losses (TRL's; raise it when they are fewer).",
+        default=1.0,
+    )
+    undesirable_weight: float = doc(
+        "kto: weight of the undesirable answers' losses.",
+        default=1.0,
+    )
 
     def __post_init__(self):
         # The effective values are what config.yaml records and the run prints.
@@ -86,8 +114,11 @@ class RLHFArguments:
             raise ConfigError(f"--rlhf_type {kind}: choose one of {', '.join(RLHF_TYPES)}")
         if self.beta is None:
             self.beta = DEFAULT_BETA[kind]
+        self.loss_type = _one_or_several(self.loss_type)
         if self.loss_type is None and LOSS_TYPES[kind]:
             self.loss_type = LOSS_TYPES[kind][0]
+        if self.loss_weights is not None:
+            self.loss_weights = [float(w) for w in self.loss_weights]
         # grpo: beta 0 drops the KL term and the reference; gkd: 0 is forward KL, 1 reverse.
         beta_check = {"grpo": at_least(0), "gkd": within(0, 1)}.get(kind, above(0))
         check_fields(
@@ -97,23 +128,51 @@ class RLHFArguments:
             rpo_alpha=at_least(0),
             simpo_gamma=at_least(0),
             cpo_alpha=at_least(0),
+            desirable_weight=above(0),
+            undesirable_weight=above(0),
         )
         self._check_method_flags()
+        self._check_loss_weights()
+
+    def loss_types(self) -> list[str]:
+        """--loss_type as a list (one entry for every method but dpo)."""
+        if self.loss_type is None:
+            return []
+        return list(self.loss_type) if isinstance(self.loss_type, list) else [self.loss_type]
+
+    def _check_loss_weights(self) -> None:
+        types = self.loss_types()
+        if isinstance(self.loss_type, list) and self.rlhf_type != "dpo":
+            raise ConfigError(
+                f"--loss_type {' '.join(types)}: only --rlhf_type dpo combines several loss "
+                f"types; --rlhf_type {self.rlhf_type} takes one"
+            )
+        if len(types) != len(set(types)):
+            raise ConfigError(f"--loss_type {' '.join(types)}: a loss type is given twice")
+        weights = self.loss_weights
+        if weights is None:
+            return
+        if len(weights) != len(types):
+            raise ConfigError(
+                f"--loss_weights {' '.join(map(str, weights))}: give one weight per --loss_type "
+                f"({len(types)}: {' '.join(types)})"
+            )
+        if any(w < 0 or w != w for w in weights):
+            raise ConfigError(f"--loss_weights {' '.join(map(str, weights))}: must be >= 0")
 
     def _check_method_flags(self) -> None:
         """A flag the chosen --rlhf_type does not read is an error, not silently ignored."""
         kind = self.rlhf_type
         accepted = LOSS_TYPES[kind]
-        if self.loss_type is not None and self.loss_type not in accepted:
+        for loss_type in self.loss_types():
+            if loss_type in accepted:
+                continue
             if not accepted:
                 raise ConfigError(f"--loss_type is not used by --rlhf_type {kind}: drop it")
-            owners = [k for k, types in LOSS_TYPES.items() if self.loss_type in types]
-            hint = (
-                f"; {self.loss_type} is a loss of --rlhf_type {'/'.join(owners)}" if owners else ""
-            )
+            owners = [k for k, types in LOSS_TYPES.items() if loss_type in types]
+            hint = f"; {loss_type} is a loss of --rlhf_type {'/'.join(owners)}" if owners else ""
             raise ConfigError(
-                f"--loss_type {self.loss_type}: --rlhf_type {kind} accepts "
-                f"{', '.join(accepted)}{hint}"
+                f"--loss_type {loss_type}: --rlhf_type {kind} accepts {', '.join(accepted)}{hint}"
             )
         if DEFAULT_BETA[kind] is None and self.beta is not None:
             raise ConfigError(f"--beta is not used by --rlhf_type {kind}: drop it")
@@ -122,6 +181,11 @@ class RLHFArguments:
             "label_smoothing": (("dpo", "simpo", "cpo"), 0.0),
             "simpo_gamma": (("simpo",), 1.0),
             "cpo_alpha": (("simpo", "cpo"), 1.0),
+            "loss_weights": (("dpo",), None),
+            "ref_model": (("dpo", "kto", "grpo"), None),
+            "precompute_ref_log_probs": (("dpo",), False),
+            "desirable_weight": (("kto",), 1.0),
+            "undesirable_weight": (("kto",), 1.0),
         }
         unread = {
             flag: kind not in methods and getattr(self, flag) != default
@@ -133,3 +197,13 @@ class RLHFArguments:
                     f"--{flag} is not used by --rlhf_type {kind}: drop it, or pick the method "
                     "that reads it (see `swiftlm rlhf --help`)"
                 )
+
+
+def _one_or_several(value):
+    """A one-entry list (how the flag parses) -> its string; several stay a list."""
+    if isinstance(value, (list, tuple)):
+        values = [str(v) for v in value]
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else values
+    return value

@@ -31,7 +31,7 @@ OTHER_METHOD_COLUMNS: dict[str, tuple[str, str]] = {
         "column for another method",
     ),
     "margin": (
-        "a reward-model margin for swiftlm rlhf --rlhf_type rm (not available yet)",
+        "a reward-model margin, read by swiftlm rlhf --rlhf_type rm",
         "column for another method",
     ),
     "images": ("images for the <image> tags of the text", "media"),

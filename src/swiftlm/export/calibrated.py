@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from swiftlm.config import ExportConfig
-from swiftlm.config.rules import CALIBRATED_BITS, GROUP_SIZES, MIN_CALIBRATION_TOKENS
+from swiftlm.config.rules_export import CALIBRATED_BITS, GROUP_SIZES, MIN_CALIBRATION_TOKENS
 from swiftlm.errors import ConfigError
 from swiftlm.export.checks import (
     check_folder_read_back,

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from swiftlm.config import ExportConfig
-from swiftlm.config.rules import CALIBRATED_BITS, GROUP_SIZES, TORCHAO_BITS
+from swiftlm.config.rules_export import CALIBRATED_BITS, GROUP_SIZES, TORCHAO_BITS
 from swiftlm.config.sections import QuantArguments
 from swiftlm.errors import ConfigError, ExportCheckError
 from swiftlm.export.checks import (

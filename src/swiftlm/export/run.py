@@ -17,7 +17,8 @@ from pathlib import Path
 from swiftlm.checkpoint.targets import check_weights_folders
 from swiftlm.config import ExportConfig
 from swiftlm.config.paths import check_writable_folder
-from swiftlm.config.rules import check, export_formats
+from swiftlm.config.rules import check
+from swiftlm.config.rules_export import export_formats
 from swiftlm.errors import ConfigError
 from swiftlm.train.preflight import check_dataset_paths
 

@@ -1,4 +1,5 @@
-"""`swiftlm infer`: chat with a model, or answer every prompt of `--val_dataset` into a file."""
+"""`swiftlm infer`: chat with a model, or answer every prompt of `--val_dataset` into a file
+(`--task score`: write each conversation's reward instead, with a reward model)."""
 
 from swiftlm.checkpoint.targets import check_weights_folders
 from swiftlm.config import InferConfig
@@ -8,6 +9,7 @@ from swiftlm.infer.batch import run_batch
 from swiftlm.infer.chat import run_chat
 from swiftlm.infer.frontend import build_chat_engine
 from swiftlm.infer.resolve import resolve_inference_model
+from swiftlm.infer.score import check_task, run_scoring
 from swiftlm.train.preflight import check_dataset_paths
 
 
@@ -20,10 +22,13 @@ def check_paths(cfg: InferConfig) -> None:
 
 
 def run(cfg: InferConfig) -> list[dict] | None:
-    """Run inference; returns the batch results, or None after an interactive chat."""
+    """Run inference; returns the batch (or score) results, or None after an interactive chat."""
     check(cfg)  # every rule between flags, before the model loads
     check_paths(cfg)
     spec = resolve_inference_model(cfg)
+    check_task(cfg.infer.task, spec)
+    if cfg.infer.task == "score":
+        return run_scoring(cfg, spec)
     print(f"Loading {spec.description}", flush=True)
     engine = build_chat_engine(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
     try:

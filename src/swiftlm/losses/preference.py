@@ -26,7 +26,9 @@ DPO_LOSS_TYPES = (
     "apo_zero",
     "apo_down",
     "discopop",
+    "bco_pair",
 )
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
 # exo_pair takes log(eps) of the label smoothing; TRL uses 1e-3 when it is 0.
@@ -54,6 +56,7 @@ def dpo_losses(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     discopop_tau: float = 0.05,
+    bco_shift: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:
     """Per-pair loss of DPO and its variants (TRL DPOTrainer.dpo_loss, reverse-KL form).
 
@@ -76,6 +79,9 @@ def dpo_losses(
     - apo_down (APO, eq. 8): sigma(beta u_c) + 1 - sigma(z)
     - discopop (DiscoPOP / LRML, 2406.08414, eq. 5), m = sigma(z / tau):
       -(1 - m) log sigma(z) + m exp(-z)
+    - bco_pair (BCO, 2404.04656, paired form of TRL <= 0.21), delta = `bco_shift` (the running
+      mean of the rewards, see RunningMean): -log sigma(beta u_c - delta)
+      - log sigma(-(beta u_r - delta))
 
     The aot losses sort over the batch, so their i-th loss is not tied to the i-th pair.
     """
@@ -120,9 +126,75 @@ def dpo_losses(
         return 1 - torch.sigmoid(beta * chosen_ratios) + torch.sigmoid(beta * rejected_ratios)
     if loss_type == "apo_down":
         return torch.sigmoid(beta * chosen_ratios) + 1 - torch.sigmoid(z)
+    if loss_type == "bco_pair":
+        shift = torch.as_tensor(bco_shift, dtype=chosen_ratios.dtype, device=chosen_ratios.device)
+        return -F.logsigmoid(beta * chosen_ratios - shift) - F.logsigmoid(
+            -(beta * rejected_ratios - shift)
+        )
     # discopop
     modulation = torch.sigmoid(z / discopop_tau)
     return -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z) * modulation
+
+
+def bco_batch_reward(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mean implicit reward of a micro-batch, over its chosen AND rejected answers (TRL's
+    `torch.cat((chosen_rewards, rejected_rewards)).mean()`), detached; `weight` [B] leaves out
+    padding pairs (weight 0)."""
+    rewards = beta * torch.cat(
+        [chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps]
+    )
+    if weight is None:
+        return rewards.mean().detach()
+    w = torch.cat([weight, weight]).to(rewards)
+    return ((rewards * w).sum() / w.sum().clamp(min=1e-12)).detach()
+
+
+class RunningMean:
+    """The running mean of a stream of micro-batch means, each counted once (TRL's
+    RunningMoments as bco_pair used it: `update(batch_mean)` with a count of 1).
+
+    mean_k = mean_{k-1} + (x_k - mean_{k-1}) / k, i.e. the plain average of the k values
+    seen. TRL starts its count at 1e-24, which gives the same first value."""
+
+    def __init__(self, mean: float = 0.0, count: int = 0):
+        self.mean, self.count = mean, count
+
+    def update(self, value: float) -> float:
+        """Fold in one micro-batch's mean; return the new running mean."""
+        self.count += 1
+        self.mean += (float(value) - self.mean) / self.count
+        return self.mean
+
+
+def weighted_dpo_losses(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    loss_types: list[str],
+    loss_weights: list[float] | None = None,
+    **options,
+) -> torch.Tensor:
+    """sum_k w_k loss_k per pair (TRL's `loss_type` list with `loss_weights`, default 1 each).
+    TRL adds w_k mean(loss_k); the mean of the sum is the same number."""
+    weights = loss_weights if loss_weights is not None else [1.0] * len(loss_types)
+    total = None
+    for loss_type, weight in zip(loss_types, weights, strict=True):
+        losses = weight * dpo_losses(
+            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+            loss_type=loss_type, **options,
+        )  # fmt: skip
+        total = losses if total is None else total + losses
+    return total
 
 
 def simpo_losses(
@@ -199,16 +271,27 @@ def kto_losses(
     beta: float,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
 ) -> torch.Tensor:
-    """KTO (arXiv 2402.01306, eq. 7; TRL KTOTrainer loss_type "kto"), one loss per sample.
+    """KTO and its unpaired APO variant (TRL KTOTrainer), one loss per sample.
 
-    u = policy - ref, kl the batch's reference-point KL estimate (a scalar the caller detached
-    and clamped at 0):
-    desirable:   w_d (1 - sigma(beta (u - kl)))
-    undesirable: w_u (1 - sigma(beta (kl - u)))
+    u = policy - ref; kl the batch's reference-point KL estimate (a scalar the caller detached
+    and clamped at 0; unused by apo_zero_unpaired):
+    - kto (arXiv 2402.01306, eq. 7):
+      desirable w_d (1 - sigma(beta (u - kl))), undesirable w_u (1 - sigma(beta (kl - u)))
+    - apo_zero_unpaired (APO, 2408.06266, eq. 7 unpaired):
+      desirable w_d (1 - sigma(beta u)), undesirable w_u sigma(beta u)
     Losses stay in sample order (TRL concatenates the desirable ones first).
     """
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}; expected one of {KTO_LOSS_TYPES}")
     logratios = policy_logps - ref_logps
-    desirable_losses = desirable_weight * (1 - torch.sigmoid(beta * (logratios - kl)))
-    undesirable_losses = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratios)))
-    return torch.where(desirable, desirable_losses, undesirable_losses)
+    if loss_type == "apo_zero_unpaired":
+        desirable_losses = 1 - torch.sigmoid(beta * logratios)
+        undesirable_losses = torch.sigmoid(beta * logratios)
+    else:
+        desirable_losses = 1 - torch.sigmoid(beta * (logratios - kl))
+        undesirable_losses = 1 - torch.sigmoid(beta * (kl - logratios))
+    return torch.where(
+        desirable, desirable_weight * desirable_losses, undesirable_weight * undesirable_losses
+    )

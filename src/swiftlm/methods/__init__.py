@@ -5,8 +5,10 @@ is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`
 """
 
 from swiftlm.methods.dpo import DPO
+from swiftlm.methods.kto import KTO
 from swiftlm.methods.pt import PT
 from swiftlm.methods.reference_free import CPO, ORPO, SimPO
+from swiftlm.methods.reward_model import RewardModel
 from swiftlm.methods.sft import SFT
 
 METHODS = {
@@ -16,4 +18,6 @@ METHODS = {
     "simpo": SimPO,
     "orpo": ORPO,
     "cpo": CPO,
+    "kto": KTO,
+    "rm": RewardModel,
 }

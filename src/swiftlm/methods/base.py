@@ -60,6 +60,9 @@ class Method(Protocol):
         supports_packing: whether rows may hold several samples (packing, padding-free).
         default_datasets: what the method trains on when no --dataset is given (the
             built-in default job); empty: --dataset is required.
+
+    Optional: `model_kind`, what the model is loaded as (models.loader: "causal_lm" when
+    absent; "sequence_classification" for a reward model, methods/reward_model.py).
     """
 
     name: str

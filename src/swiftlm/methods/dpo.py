@@ -11,10 +11,24 @@ number of pairs in the optimizer step, so gradient accumulation is exact.
 Logged per pair: loss, rewards/chosen = beta (c - c0), rewards/rejected, rewards/margins,
 rewards/accuracies (chosen reward above rejected), logps/chosen, logps/rejected, and nll
 (mean token NLL of the chosen answers), which --rpo_alpha adds to the loss.
+
+Options (TRL's DPOConfig names):
+- several --loss_type with --loss_weights: the per-pair loss is sum_k w_k loss_k;
+- bco_pair: its reward shift delta is a running mean (losses.preference.RunningMean) of the
+  training micro-batches' mean rewards, one value per micro-batch, as TRL <= 0.21 kept it.
+  delta therefore depends on the sequence of micro-batches this process has seen: the split
+  of a step into micro-batches (4 x 1 and 1 x 4 give other deltas), the data-parallel rank
+  (each rank keeps its own mean; TRL averaged the ranks' means), and the run's history: it
+  is not in the checkpoint, so a resumed run starts it again at the resumed step. Evaluation
+  reads it without updating it. With one micro-batch per step on one process, delta is TRL's;
+- --ref_model: the reference is that model (methods/reference.py);
+- --precompute_ref_log_probs: `prepare_samples` scores every pair with the reference once,
+  before training, and returns the samples with `ref_chosen_logps`/`ref_rejected_logps`
+  attached (PrecomputedSamples); the reference is then freed and no step runs it.
 """
 
 import contextlib
-import copy
+from collections.abc import Sequence
 
 import torch
 
@@ -24,9 +38,17 @@ from swiftlm.data.encode import IGNORE_INDEX, TruncationReport, encode_chat, tru
 from swiftlm.data.preference import preference_sample
 from swiftlm.errors import DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
-from swiftlm.losses.preference import dpo_losses, dpo_rewards
+from swiftlm.losses.preference import (
+    RunningMean,
+    bco_batch_reward,
+    dpo_rewards,
+    weighted_dpo_losses,
+)
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
+from swiftlm.methods.reference import Reference, unwrapped
 from swiftlm.methods.token import token_pads
+
+__all__ = ["DPO", "answer_logps", "pair_metrics", "unwrapped", "weighted_sums"]
 
 SIDES = ("chosen", "rejected")
 
@@ -48,7 +70,16 @@ class DPO:
         self.token_pads = token_pads(tokenizer.pad_token_id)
         self.data, self.rlhf = cfg.data, cfg.rlhf
         self.uses_lora = cfg.tuner.train_type != "full"
-        self.reference = None  # a frozen copy, with full fine-tuning only
+        self.ref = Reference(cfg, self.name)
+        self.resuming = bool(cfg.output.resume_from_checkpoint)
+        self.eval_batch_size = cfg.train.per_device_eval_batch_size
+        self.torch_dtype = cfg.model.torch_dtype
+        self.bco_mean = RunningMean()  # bco_pair's reward shift
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen reference model; None for LoRA (the adapter disabled) or once freed."""
+        return self.ref.model
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -98,7 +129,8 @@ class DPO:
         return {**sample, "weight": 0.0}
 
     def collate(self, layout: Layout) -> Batch:
-        """2B right-padded rows, the B chosen answers first; `weight` [B] (0 for padding)."""
+        """2B right-padded rows, the B chosen answers first; `weight` [B] (0 for padding);
+        `ref_logps` [2B] when the samples carry precomputed reference log-probs."""
         pairs = [row[0] for row in layout.rows]
         rows = [
             {"input_ids": p[f"{side}_input_ids"], "labels": p[f"{side}_labels"]}
@@ -107,6 +139,9 @@ class DPO:
         ]
         batch = collate(rows, self.tokenizer.pad_token_id)
         batch["weight"] = torch.tensor([p["weight"] for p in pairs], dtype=torch.float32)
+        if REF_KEYS[0] in pairs[0]:
+            values = [p[f"ref_{side}_logps"] for side in SIDES for p in pairs]
+            batch["ref_logps"] = torch.tensor(values, dtype=torch.float32)
         return batch
 
     @staticmethod
@@ -118,28 +153,82 @@ class DPO:
 
     def prepare_model(self, model: torch.nn.Module, log) -> None:
         r = self.rlhf
+        weights = f", loss_weights {r.loss_weights}" if r.loss_weights else ""
         log(
-            f"dpo: beta {r.beta}, loss_type {r.loss_type}, label_smoothing {r.label_smoothing}, "
-            f"rpo_alpha {r.rpo_alpha}"
+            f"dpo: beta {r.beta}, loss_type {r.loss_type}{weights}, label_smoothing "
+            f"{r.label_smoothing}, rpo_alpha {r.rpo_alpha}"
         )
-        if self.uses_lora:
-            log("dpo: reference = the base model with the adapter disabled (no second copy)")
-            return
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        log("dpo: reference = a frozen copy of the initial model (full fine-tuning)")
+        if "bco_pair" in r.loss_types() and self.resuming:
+            log(
+                "dpo: bco_pair's running reward mean is not kept in checkpoints; a resumed run "
+                "starts it again"
+            )
+        if r.precompute_ref_log_probs and not r.ref_model:
+            return  # the reference is the initial policy itself: scored in prepare_samples
+        self.ref.prepare(model, log)
+
+    def prepare_samples(self, model: torch.nn.Module, train, val, log) -> tuple:
+        """--precompute_ref_log_probs: every pair's reference log-probs, computed once now (the
+        policy is still the initial model, also for a resumed run), kept with the samples;
+        the reference is freed. Every rank scores every sample (no collective needed)."""
+        if not self.rlhf.precompute_ref_log_probs:
+            return train, val
+        splits = []
+        for samples in (train, val):
+            chosen, rejected = self._score(model, samples)
+            splits.append(PrecomputedSamples(samples, chosen, rejected))
+        self.ref.free()
+        log(
+            f"dpo: reference log-probs of {len(train) + len(val)} pairs precomputed; "
+            "the reference model is freed"
+        )
+        return splits[0], list(splits[1])
+
+    @torch.no_grad()
+    def _score(self, model, samples) -> tuple[list[float], list[float]]:
+        """(chosen, rejected) reference log-probs of `samples`, in micro-batches of the eval
+        batch size, under the same autocast as training."""
+        from swiftlm.models.loader import pick_dtype
+
+        device = next(unwrapped(model).parameters()).device
+        dtype = pick_dtype(self.torch_dtype, device)
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+        chosen, rejected = [], []
+        was_training = model.training
+        model.eval()
+        for start in range(0, len(samples), self.eval_batch_size):
+            end = min(start + self.eval_batch_size, len(samples))
+            rows = [[samples[i]] for i in range(start, end)]
+            batch = self.collate(Layout(rows=rows, packed=False))
+            batch = {k: v.to(device) for k, v in batch.items()}
+            if self.ref.model is None and not self.uses_lora:  # the initial policy itself
+                reference, context = model, contextlib.nullcontext()
+            else:
+                reference, context = self._reference(model)
+            with autocast:
+                logps, _ = answer_logps(reference, batch, context)
+            pairs = len(rows)
+            chosen += logps[:pairs].tolist()
+            rejected += logps[pairs:].tolist()
+        model.train(was_training)
+        return chosen, rejected
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
         logps, counts = answer_logps(model, batch)
-        reference, context = self._reference(model)
-        with torch.no_grad():
-            ref_logps, _ = answer_logps(reference, batch, context)
+        if "ref_logps" in batch:
+            ref_logps = batch["ref_logps"].to(logps)
+        else:
+            reference, context = self._reference(model)
+            with torch.no_grad():
+                ref_logps, _ = answer_logps(reference, batch, context)
         pairs = logps.shape[0] // 2
         chosen, rejected = logps[:pairs], logps[pairs:]
         ref_chosen, ref_rejected = ref_logps[:pairs], ref_logps[pairs:]
         r = self.rlhf
-        losses = dpo_losses(
-            chosen, rejected, ref_chosen, ref_rejected,
-            beta=r.beta, loss_type=r.loss_type, label_smoothing=r.label_smoothing,
+        sides = (chosen, rejected, ref_chosen, ref_rejected)
+        losses = weighted_dpo_losses(
+            *sides, loss_types=r.loss_types(), loss_weights=r.loss_weights, beta=r.beta,
+            label_smoothing=r.label_smoothing, bco_shift=self._bco_shift(model, sides, batch),
         )  # fmt: skip
         nll = -chosen / counts[:pairs]
         if r.rpo_alpha:
@@ -150,12 +239,24 @@ class DPO:
         )
         return weighted_sums(losses, pair_metrics(chosen, rejected, *rewards, nll), batch)
 
+    def _bco_shift(self, model, sides, batch: Batch) -> float:
+        """bco_pair's delta: the running mean, first updated with this micro-batch's mean reward
+        when training (TRL's order); 0 without bco_pair."""
+        if "bco_pair" not in self.rlhf.loss_types():
+            return 0.0
+        weight = batch["weight"]
+        if not model.training or float(weight.sum()) == 0:  # evaluation, an idle rank's padding
+            return self.bco_mean.mean
+        reward = bco_batch_reward(
+            *(side.detach() for side in sides), beta=self.rlhf.beta, weight=weight
+        )
+        return self.bco_mean.update(float(reward))
+
     def _reference(self, model):
-        """(the module to run, its context): the frozen copy, or the policy without adapter."""
-        if self.reference is not None:
-            return self.reference, contextlib.nullcontext()
-        policy = unwrapped(model)
-        return policy, policy.disable_adapter()
+        """(the module to run, its context): the frozen model, or the policy without adapter."""
+        if self.ref.model is None and not self.uses_lora:
+            raise RuntimeError("dpo: the reference was freed; the batch lacks its log-probs")
+        return self.ref.module(model)
 
     @staticmethod
     def pipeline_loss(logits: torch.Tensor, batch: Batch) -> LossOutput:
@@ -197,11 +298,21 @@ def weighted_sums(losses: torch.Tensor, metrics: dict, batch: Batch) -> LossOutp
     return (losses * weight).sum(), {k: (v * weight).sum() for k, v in metrics.items()}
 
 
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP / DeepSpeed wrappers (they hold it as `.module`)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
+REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class PrecomputedSamples(Sequence):
+    """Encoded pairs (a list or the Arrow cache's rows) with their reference log-probs."""
+
+    def __init__(self, samples, chosen: list[float], rejected: list[float]):
+        self.samples, self.chosen, self.rejected = samples, chosen, rejected
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict:
+        refs = {REF_KEYS[0]: self.chosen[index], REF_KEYS[1]: self.rejected[index]}
+        return {**self.samples[index], **refs}
 
 
 def _pair(chosen: dict, rejected: dict) -> dict:

@@ -241,20 +241,40 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+# What a model is loaded as (a method's `model_kind`): a causal LM, or a reward model (the
+# same transformer with a one-output `score` head, read at the last non-padding token).
+CAUSAL_LM = "causal_lm"
+SEQUENCE_CLASSIFICATION = "sequence_classification"
+
+
+def _auto_class(kind: str, pad_token_id: int | None) -> tuple[type, dict]:
+    """The transformers Auto class for `kind` and what it needs besides the weights."""
+    import transformers
+
+    if kind == SEQUENCE_CLASSIFICATION:
+        # One reward per conversation; the pad id tells the head where each row ends.
+        options = {"num_labels": 1, "pad_token_id": pad_token_id}
+        return transformers.AutoModelForSequenceClassification, options
+    return transformers.AutoModelForCausalLM, {}
+
+
 def load_model(
     path: str,
     dtype: torch.dtype,
     device: torch.device,
     attn_impl: str = "sdpa",
     quantization=None,
+    kind: str = CAUSAL_LM,
+    pad_token_id: int | None = None,
 ):
-    """Load a causal LM with weights in `dtype` on `device`.
+    """Load a causal LM (or, with `kind` SEQUENCE_CLASSIFICATION, a reward model whose
+    `score` head is new when `path` is a causal LM) with weights in `dtype` on `device`.
 
     `quantization`: a transformers quantization config (e.g. BitsAndBytesConfig); the
     weights it quantizes are converted while loading, directly on `device`.
+    `pad_token_id`: the tokenizer's, for a reward model (its head finds each row's last token).
     """
-    from transformers import AutoModelForCausalLM
-
+    auto_class, options = _auto_class(kind, pad_token_id)
     if Path(path).is_dir():  # also for commands that do not resolve --model (infer, export)
         check_text_model(Path(path), path)
     placement = {}
@@ -264,8 +284,8 @@ def load_model(
         # model afterwards.
         placement = {"quantization_config": quantization, "device_map": {"": device}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_impl, **placement
+        model = auto_class.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_impl, **placement, **options
         )
     except OSError as exc:
         raise ModelLoadError(

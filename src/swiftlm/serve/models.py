@@ -2,7 +2,8 @@
 
 `--adapters name=path ...` (ms-swift's form) serves each adapter as the model `name`, unmerged,
 beside the base model; a bare path is named after its folder (a run's `final/` after the run).
-`--ckpt_dir D` serves a run as the base model (an adapter run is merged into its base).
+`--ckpt_dir D` serves a run as the base model (an adapter run is merged into its base). A
+reward model (`swiftlm rlhf --rlhf_type rm`) is served for scoring only (serve/scoring.py).
 """
 
 from dataclasses import dataclass, replace
@@ -11,6 +12,7 @@ from pathlib import Path
 from swiftlm.config import DeployConfig, InferArguments, InferConfig
 from swiftlm.errors import ConfigError
 from swiftlm.infer.resolve import InferenceModel, resolve_inference_model
+from swiftlm.infer.score import is_reward_adapter, is_reward_model
 from swiftlm.serve.translate import ServedModels
 
 
@@ -19,6 +21,7 @@ class DeployPlan:
     spec: InferenceModel  # the base model; its `adapters` are merged into it
     named_adapters: dict[str, str]  # served name -> adapter folder, kept unmerged
     served: ServedModels
+    reward_model: bool = False  # served for scoring (serve/scoring.py), not generation
 
 
 def parse_adapters(values: list[str]) -> dict[str, str]:
@@ -60,7 +63,18 @@ def plan_deployment(cfg: DeployConfig) -> DeployPlan:
             f"--adapters {base}=...: {base!r} is the base model's name; pick another name or "
             "set --served_model_name"
         )
-    return DeployPlan(spec, folders, ServedModels(base, tuple(folders)))
+    refuse_named_reward_adapters(folders)
+    return DeployPlan(spec, folders, ServedModels(base, tuple(folders)), is_reward_model(spec))
+
+
+def refuse_named_reward_adapters(folders: dict[str, str]) -> None:
+    """Named adapters share the base model's generation engine; a reward model has none."""
+    for name, folder in folders.items():
+        if is_reward_adapter(folder):
+            raise ConfigError(
+                f"--adapters {name}={folder}: a reward-model adapter cannot be served beside a "
+                f"generating model; serve it alone with --ckpt_dir {folder}"
+            )
 
 
 def base_model_name(cfg: DeployConfig, spec: InferenceModel) -> str:

@@ -58,6 +58,11 @@ def run(cfg: DeployConfig) -> None:
 
 
 def start_engine(cfg: DeployConfig, plan: DeployPlan):
+    """The generation engine, or for a reward model its scorer (no engine)."""
+    if plan.reward_model:
+        from swiftlm.infer.score import load_scorer
+
+        return load_scorer(plan.spec, cfg.model)
     from swiftlm.infer.frontend import engine_for_model
 
     d = cfg.deploy
@@ -85,7 +90,12 @@ def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
         request_timeout=args.request_timeout,
         system=plan.spec.system,
     )
-    app = create_app(engine, engine.tokenizer, plan.served, settings)
+    if plan.reward_model:
+        from swiftlm.serve.scoring import create_scoring_app
+
+        app = create_scoring_app(engine, plan.served, settings)
+    else:
+        app = create_app(engine, engine.tokenizer, plan.served, settings)
     config = uvicorn.Config(
         app,
         host=args.host,

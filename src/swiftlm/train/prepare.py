@@ -9,7 +9,7 @@ from swiftlm.data.cache import cache_key, data_cache_root, load_or_encode
 from swiftlm.data.loading import load_samples, split_samples
 from swiftlm.methods.base import Method
 from swiftlm.models.attention import training_attention
-from swiftlm.models.loader import load_model
+from swiftlm.models.loader import CAUSAL_LM, load_model
 from swiftlm.models.quant import bnb_config, prepare_for_quantized_training
 from swiftlm.train.batching import build_batch_plan
 from swiftlm.tuners.setup import apply_tuner
@@ -81,10 +81,17 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
 
 
 def prepare_model(
-    cfg: TrainConfig, model_path: str, device: torch.device, compute_dtype: torch.dtype
+    cfg: TrainConfig,
+    model_path: str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    kind: str = CAUSAL_LM,
+    pad_token_id: int | None = None,
 ):
-    """Load the model and make the tuner's parameters trainable. Activation checkpointing and
-    compilation are parallelisms, applied in order by the strategy's `wrap`."""
+    """Load the model as `kind` (the method's `model_kind`: a causal LM, or a reward model
+    that needs the tokenizer's `pad_token_id`) and make the tuner's parameters trainable.
+    Activation checkpointing and compilation are parallelisms, applied in order by the
+    strategy's `wrap`."""
     # Frozen base weights can live in the compute dtype; weights that train stay float32
     # (peft keeps adapters in float32) so small updates are not lost to rounding.
     full = cfg.tuner.train_type == "full"
@@ -96,19 +103,22 @@ def prepare_model(
     attention = training_attention(cfg.model.attn_impl, device, packed, config, cfg.data.max_length)
     # QLoRA: the frozen Linear weights load quantized, their matmuls run in the compute dtype.
     quantization = bnb_config(cfg.quant, compute_dtype) if cfg.quant.quant_method else None
-    model = load_model(model_path, weight_dtype, device, attention, quantization)
+    model = load_model(
+        model_path, weight_dtype, device, attention, quantization, kind, pad_token_id
+    )
     if quantization is not None:
         model = prepare_for_quantized_training(model)
     model.config.use_cache = False
-    model = apply_tuner(model, cfg.tuner)
+    model = apply_tuner(model, cfg.tuner, kind)
     return model
 
 
-def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int):
+def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int, per_sample: int = 1):
+    """`per_sample`: rows a sample becomes (GRPO: its completions; the batch size counts them)."""
     t = cfg.train
     return build_batch_plan(
         lengths,
-        t.per_device_train_batch_size,
+        t.per_device_train_batch_size // per_sample,
         dp_size,
         t.seed,
         pack_to=cfg.data.max_length if t.packing else 0,

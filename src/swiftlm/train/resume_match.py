@@ -94,6 +94,38 @@ MUST_MATCH = {
     "rpo_alpha": _always,
     "simpo_gamma": _always,
     "cpo_alpha": _always,
+    "loss_weights": _always,
+    "ref_model": _always,  # --precompute_ref_log_probs gives the same losses: it may change
+    "desirable_weight": _always,
+    "undesirable_weight": _always,
+    # GRPO: what is sampled, how it is scored, and the pending completions' layout.
+    **dict.fromkeys(
+        (
+            "num_generations",
+            "max_completion_length",
+            "temperature",
+            "top_p",
+            "epsilon",
+            "epsilon_high",
+            "importance_sampling_level",
+            "scale_rewards",
+            "advantage_estimator",
+            "dynamic_sample",
+            "max_resample_times",
+            "steps_per_generation",
+            "reward_funcs",
+            "reward_weights",
+            "format_pattern",
+            "soft_cache_length",
+            "repetition_n_grams",
+            # GKD: the teacher and the mix of on- and off-policy steps.
+            "teacher_model",
+            "lmbda",
+            "seq_kd",
+            "gkd_logits_topk",
+        ),
+        _always,
+    ),
 }
 
 

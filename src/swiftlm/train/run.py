@@ -17,7 +17,7 @@ from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.parallelize import apply_activation_checkpointing
 from swiftlm.distributed.strategy import build_strategy
 from swiftlm.methods import METHODS
-from swiftlm.models.loader import load_tokenizer, pick_device, pick_dtype, resolve_model
+from swiftlm.models.loader import CAUSAL_LM, load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
 from swiftlm.monitor.loggers import check_loggers_installed
 from swiftlm.monitor.metrics import format_summary
@@ -69,7 +69,8 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     train_data, val_data = prepare_data(cfg, method, tokenizer, ctx, log)
     log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
     set_seed(cfg.train.seed)  # the same initial weights on every rank
-    model = prepare_model(cfg, resolved.path, device, compute_dtype)
+    kind = getattr(method, "model_kind", CAUSAL_LM)  # a reward model: sequence classification
+    model = prepare_model(cfg, resolved.path, device, compute_dtype, kind, tokenizer.pad_token_id)
     trainable, total = count_parameters(model)
     log(
         f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
@@ -78,6 +79,8 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     if cfg.quant.quant_method:
         log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
     method.prepare_model(model, log)
+    if hasattr(method, "prepare_samples"):  # values computed once with the model (DPO's ref)
+        train_data, val_data = method.prepare_samples(model, train_data, val_data, log)
     if cfg.train.per_device_train_batch_size == AUTO_BATCH_SIZE:  # needs the model
         if cfg.train.gradient_checkpointing:  # measure as it will train (wrap applies it too)
             apply_activation_checkpointing(model)
@@ -89,7 +92,8 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     )
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
-    batch_plan = make_batch_plan(cfg, lengths, strategy.dp_size)
+    per_sample = getattr(method, "completions_per_sample", 1)  # GRPO: a prompt's group
+    batch_plan = make_batch_plan(cfg, lengths, strategy.dp_size, per_sample)
     log(describe_plan(batch_plan, cfg.data.max_length))
     job = TrainingJob(
         model=strategy.wrap(model),

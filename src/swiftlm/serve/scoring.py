@@ -1,0 +1,153 @@
+"""The app `swiftlm deploy` serves for a reward model (`swiftlm rlhf --rlhf_type rm`):
+`POST /v1/score`, with `GET /v1/models`, `GET /health` and `GET /metrics`, and no generation.
+
+A reward model has a score head instead of a language-model head, so it is loaded without a
+generation engine (`infer/score.py`) and the generation routes answer 400, naming the route
+to use. The request (vLLM's `/score` response shape, OpenAI's error objects):
+
+    POST /v1/score
+    {"model": "my-rm", "messages": [{"role": "user", "content": "..."},
+                                    {"role": "assistant", "content": "..."}]}
+    or, several conversations in one call:
+    {"model": "my-rm", "input": [[...messages...], [...messages...]]}
+
+Exactly one of `messages` and `input`; each conversation ends with the assistant answer to
+score (a server --system prompt is added to one without a system message, as in generation).
+The answer:
+
+    {"object": "list", "model": "my-rm",
+     "data": [{"object": "score", "index": 0, "score": 1.84}, ...],
+     "usage": {"prompt_tokens": 52, "total_tokens": 52}}
+"""
+
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict
+
+from swiftlm.data.rows import RowError
+from swiftlm.infer.score import RewardScorer, score_sample
+from swiftlm.serve.errors import APIError, install_error_handlers
+from swiftlm.serve.generation import now_s
+from swiftlm.serve.guard import Gate, ServerState
+from swiftlm.serve.schemas import TextPart
+from swiftlm.serve.translate import ServedModels
+
+MAX_CONVERSATIONS = 256  # per request: a bigger batch is many calls' worth of one forward
+
+
+class ScoreMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict:
+        role = "system" if self.role == "developer" else self.role
+        text = (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+        return {"role": role, "content": text}
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[ScoreMessage] | None = None
+    input: list[list[ScoreMessage]] | None = None
+
+    def conversations(self) -> tuple[list[list[dict]], str]:
+        """(the conversations to score, the field they came from); 400 unless exactly one of
+        `messages` and `input` is given."""
+        if (self.messages is None) == (self.input is None):
+            raise APIError(
+                400,
+                "give exactly one of 'messages' (one conversation) and 'input' (a list of "
+                "conversations)",
+                param="messages",
+            )
+        if self.messages is not None:
+            return [[m.as_dict() for m in self.messages]], "messages"
+        if not self.input or len(self.input) > MAX_CONVERSATIONS:
+            raise APIError(
+                400, f"'input': give 1 to {MAX_CONVERSATIONS} conversations", param="input"
+            )
+        return [[m.as_dict() for m in c] for c in self.input], "input"
+
+
+def prompt_ids(scorer: RewardScorer, request: ScoreRequest, system: str | None) -> list[list[int]]:
+    """Each conversation checked (roles, order, the answer last) and encoded; 400 naming the
+    conversation when one cannot be scored."""
+    conversations, field = request.conversations()
+    rows = []
+    for index, messages in enumerate(conversations):
+        param = field if field == "messages" else f"input.{index}"
+        try:
+            messages = score_sample({"messages": messages}, system)["messages"]
+        except RowError as exc:
+            raise APIError(400, f"'{param}': {exc}", param=param) from None
+        ids = scorer.encode(messages)
+        problem = scorer.too_long(ids)
+        if problem:
+            raise APIError(
+                400, f"'{param}': {problem}", param=param, code="context_length_exceeded"
+            )
+        rows.append(ids)
+    return rows
+
+
+def create_scoring_app(scorer: RewardScorer, models: ServedModels, settings) -> FastAPI:
+    """The app over a loaded reward model; `settings` is serve.app.ServerSettings."""
+    app = FastAPI(title="swiftlm", docs_url=None, redoc_url=None, openapi_url=None)
+    state = ServerState(settings.api_keys, settings.max_body_bytes)
+    app.state.server = state
+    registry = CollectorRegistry()
+    scored = Counter("swiftlm_scored_conversations", "Conversations scored.", registry=registry)
+    tokens = Counter("swiftlm_prompt_tokens", "Tokens scored.", ["model"], registry=registry)
+    responses = Counter(
+        "swiftlm_http_responses", "HTTP responses by status code.", ["status"], registry=registry
+    )
+    install_error_handlers(app)
+    created = now_s()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        model = {"id": models.base, "object": "model", "created": created, "owned_by": "swiftlm"}
+        extra = {"root": models.base, "parent": None, "max_model_len": scorer.max_length}
+        return {"object": "list", "data": [{**model, **extra, "task": "score"}]}
+
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest):
+        models.adapter_for(body.model)  # 404 for a name that is not served
+        rows = prompt_ids(scorer, body, settings.system)
+        scores = await run_in_threadpool(scorer.score_ids, rows)
+        count = sum(map(len, rows))
+        scored.inc(len(rows))
+        tokens.labels(body.model).inc(count)
+        data = [{"object": "score", "index": i, "score": s} for i, s in enumerate(scores)]
+        usage = {"prompt_tokens": count, "total_tokens": count}
+        return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
+    async def no_generation():
+        raise APIError(
+            400,
+            f"The model '{models.base}' is a reward model: it scores conversations and cannot "
+            "generate; send them to POST /v1/score",
+            param="model",
+            code="model_not_generative",
+        )
+
+    app.add_middleware(Gate, state=state, on_status=lambda s: responses.labels(str(s)).inc())
+    return app
