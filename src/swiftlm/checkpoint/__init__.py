@@ -24,7 +24,12 @@ from swiftlm.checkpoint.folders import (
     prune_checkpoints,
     save_pretrained_atomically,
 )
-from swiftlm.checkpoint.save import STATE_FILE, load_checkpoint, save_checkpoint
+from swiftlm.checkpoint.save import (
+    STATE_FILE,
+    load_checkpoint,
+    load_method_state,
+    save_checkpoint,
+)
 from swiftlm.checkpoint.targets import find_resume_checkpoint
 from swiftlm.errors import CheckpointError
 
@@ -37,6 +42,7 @@ __all__ = [
     "is_complete",
     "list_checkpoints",
     "load_checkpoint",
+    "load_method_state",
     "mark_complete_when_written",
     "prune_checkpoints",
     "save_checkpoint",

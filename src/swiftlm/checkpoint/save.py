@@ -19,8 +19,11 @@ from swiftlm.errors import CheckpointError
 STATE_FILE = "trainer_state.json"
 
 
-def save_checkpoint(folder: Path, strategy, model, optimizer, state: dict, tokenizer=None) -> None:
-    """Write a complete checkpoint; `COMPLETE` goes last so a crash leaves it incomplete."""
+def save_checkpoint(
+    folder: Path, strategy, model, optimizer, state: dict, tokenizer=None, method_state=None
+) -> None:
+    """Write a complete checkpoint; `COMPLETE` goes last so a crash leaves it incomplete.
+    `method_state`: this rank's state of an online method (e.g. GRPO's pending completions)."""
     ctx = strategy.ctx
     if ctx.is_main:
         if folder.exists():
@@ -29,6 +32,8 @@ def save_checkpoint(folder: Path, strategy, model, optimizer, state: dict, token
     ctx.barrier()
     pending = strategy.save_state(folder, model, optimizer)  # a Future if saving in background
     save_rng(folder, ctx.rank)
+    if method_state is not None:
+        torch.save(method_state, folder / method_state_file(ctx.rank))
     ctx.barrier()
     if ctx.is_main:
         if tokenizer is not None:
@@ -54,3 +59,18 @@ def load_checkpoint(folder: Path, strategy, model, optimizer, log=print) -> dict
         log(f"{folder} has no random state for rank {rank}; reseeding it")
         torch.manual_seed(1_000_003 * rank + saved["step"])
     return saved
+
+
+def method_state_file(rank: int) -> str:
+    return f"method_state_rank{rank}.pt"
+
+
+def load_method_state(folder: Path, rank: int) -> dict:
+    """This rank's saved method state (CheckpointError if the checkpoint has none for it)."""
+    file = folder / method_state_file(rank)
+    if not file.is_file():
+        raise CheckpointError(
+            f"{folder} has no {file.name}: it was saved by another method or with fewer ranks; "
+            "resume with the method and number of processes that saved it"
+        )
+    return torch.load(file, weights_only=False)

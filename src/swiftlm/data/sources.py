@@ -28,6 +28,9 @@ BUILTIN_DATASETS = {
     # Preference pairs for swiftlm rlhf and their held-out prompts (scripts/make_preference_data.py)
     "swiftlm/concise-preference": "concise_preference.jsonl",
     "swiftlm/concise-heldout": "concise_heldout.jsonl",
+    # GRPO's verifiable task: additions with a `solution` (scripts/make_arithmetic_data.py)
+    "swiftlm/arithmetic": "arithmetic.jsonl",
+    "swiftlm/arithmetic-heldout": "arithmetic_heldout.jsonl",
 }
 
 NOT_AN_OBJECT = "expected a JSON object"

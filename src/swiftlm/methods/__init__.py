@@ -5,6 +5,7 @@ is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`
 """
 
 from swiftlm.methods.dpo import DPO
+from swiftlm.methods.grpo import GRPO
 from swiftlm.methods.kto import KTO
 from swiftlm.methods.pt import PT
 from swiftlm.methods.reference_free import CPO, ORPO, SimPO
@@ -20,4 +21,5 @@ METHODS = {
     "cpo": CPO,
     "kto": KTO,
     "rm": RewardModel,
+    "grpo": GRPO,
 }

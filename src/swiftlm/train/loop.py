@@ -24,6 +24,7 @@ from swiftlm.distributed.strategy import Strategy
 from swiftlm.errors import SwiftLMError
 from swiftlm.losses.causal_lm import count_label_tokens
 from swiftlm.methods.base import Layout, Method
+from swiftlm.methods.online import StepContext, is_online
 from swiftlm.monitor.metrics import MetricsLogger, Progress, peak_memory_gib
 from swiftlm.train import state as loop_state
 from swiftlm.train.batching import (
@@ -80,7 +81,11 @@ class Precision:
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Tensors to the device; other values (an online method's prompt lists) as they are."""
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
 
 
 def rank_batches(job: TrainingJob, step_batches: list[GlobalBatch]) -> list[dict]:
@@ -178,7 +183,10 @@ def evaluate(job: TrainingJob, precision: Precision) -> dict[str, float]:
     data, each a sum over all ranks divided by the summed normalizer, as in training."""
     was_training = job.model.training
     job.model.eval()
-    size, method, strategy = job.args.per_device_eval_batch_size, job.method, job.strategy
+    method, strategy = job.method, job.strategy
+    # A method that generates (GRPO) evaluates many prompts per engine call: the engine
+    # batches them, one at a time would decode them one after another.
+    size = getattr(method, "eval_batch_size", None) or job.args.per_device_eval_batch_size
     # Each data-parallel rank evaluates every dp_size-th sample; the sums are combined.
     mine = job.val_data[strategy.dp_rank :: strategy.dp_size]
     # Sharded models (FSDP2) gather weights inside forward, so every rank runs as many batches
@@ -216,6 +224,30 @@ def plan_steps(job: TrainingJob) -> tuple[int, int]:
     )
 
 
+def step_batches(job: TrainingJob, steps, state, num_steps: int, precision) -> tuple:
+    """(this rank's micro-batches of the next optimizer step, the data position after it).
+
+    An online method (GRPO) makes its own from the prompts it draws, as many steps' worth
+    as it needs; the others are the next data position's micro-batches."""
+    if not is_online(job.method):
+        indices, next_position = next(steps)
+        return rank_batches(job, indices), next_position
+    position = [state.position]
+
+    def draw() -> list[dict]:
+        indices, position[0] = next(steps)
+        return rank_batches(job, indices)
+
+    context = StepContext(
+        draw=draw,
+        steps_left=num_steps - state.step,
+        step=state.step + 1,
+        strategy=job.strategy,
+        autocast=precision.autocast,
+    )
+    return job.method.step_batches(job.model, context), position[0]
+
+
 def run_training(job: TrainingJob) -> dict:
     """Train to the planned number of steps; return the run summary."""
     args, out = job.args, job.output
@@ -236,11 +268,13 @@ def run_training(job: TrainingJob) -> dict:
     job.model.train()
     try:
         while state.step < num_steps:
-            indices, next_position = next(steps)
-            batches = rank_batches(job, indices)
+            _beat(job, state.step + 1, "data")
+            batches, next_position = step_batches(job, steps, state, num_steps, precision)
             lr = optimizer.param_groups[0]["lr"]
             _beat(job, state.step + 1, "forward/backward")
             result = forward_backward(job, precision, batches)
+            if is_online(job.method):
+                result.metrics.update(job.method.step_metrics())
             _beat(job, state.step + 1, "optimizer step")
             grad_norm = clip_and_step(job, optimizer, scheduler, precision, result.loss, state)
             state.step, state.position = state.step + 1, next_position
@@ -278,6 +312,8 @@ def run_training(job: TrainingJob) -> dict:
     finally:
         progress.close()
         metrics.close()
+        if is_online(job.method):  # the rollout engine's thread, reward workers
+            job.method.close()
     return summarize(job, state)
 
 

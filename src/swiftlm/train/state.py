@@ -6,6 +6,7 @@ checkpoint is loaded, and the learning rate set from this run's schedule."""
 from dataclasses import dataclass, field
 
 from swiftlm import checkpoint as ckpt
+from swiftlm.methods.online import is_online
 from swiftlm.train.batching import DataPosition
 
 
@@ -67,6 +68,8 @@ def resume(job, optimizer, scheduler, scaler) -> LoopState:
         job.log(f"no complete checkpoint in {job.run_dir / 'checkpoints'}; starting from scratch")
         return LoopState()
     saved = ckpt.load_checkpoint(folder, job.strategy, job.model, optimizer, job.log)
+    if is_online(job.method):  # e.g. GRPO's completions not yet trained on
+        job.method.load_state_dict(ckpt.load_method_state(folder, job.strategy.ctx.rank))
     if saved["num_train_samples"] != len(job.train_data):
         raise ckpt.CheckpointError(
             f"{folder} was saved with {saved['num_train_samples']} training samples, this run has "
@@ -111,7 +114,10 @@ def save(job, optimizer, scheduler, scaler, state: LoopState) -> None:
     """A complete checkpoint of this step; old ones pruned to --save_total_limit."""
     folder = ckpt.checkpoint_dir(job.run_dir, state.step)
     payload = state.to_json(len(job.train_data), scheduler, scaler)
-    ckpt.save_checkpoint(folder, job.strategy, job.model, optimizer, payload, job.tokenizer)
+    method_state = job.method.state_dict() if is_online(job.method) else None
+    ckpt.save_checkpoint(
+        folder, job.strategy, job.model, optimizer, payload, job.tokenizer, method_state
+    )
     if job.strategy.ctx.is_main:
         for removed in ckpt.prune_checkpoints(job.run_dir, job.output.save_total_limit):
             job.log(f"removed old checkpoint {removed.name}")

@@ -1,0 +1,244 @@
+"""`swiftlm rlhf --rlhf_type grpo`: Group Relative Policy Optimization (and DAPO, Dr. GRPO,
+GSPO, RLOO through its flags).
+
+A step: the loop hands over the prompts of the step's micro-batches (`step_batches`); the
+policy samples --num_generations completions per prompt with the serving engine on its live
+weights (methods/rollout.py); the reward functions score them (methods/rewards.py); each
+completion's advantage is its reward against its group's (losses/rl.py); the micro-batches
+of completions then go through the loop's usual forward/backward, where `loss` computes the
+clipped surrogate (+ beta x KL to the reference) from the trainer's own log-probs.
+
+--per_device_train_batch_size counts completions (as TRL and ms-swift): a micro-batch holds
+per_device_train_batch_size / num_generations prompts and their groups. With
+--steps_per_generation a multiple k of --gradient_accumulation_steps, one generation samples
+the prompts of k/GA optimizer steps and trains on them over those steps (the old policy's
+log-probs are computed once, at generation time, for the importance ratio); the steps not
+yet trained are `pending` and go into every checkpoint, so a resumed run continues exactly.
+
+Seeds come from the run seed, the generation's number and the prompt (rollout.rollout_seed):
+2 ranks sample what one process samples, a resumed run what the straight one sampled.
+Evaluation (--val_dataset / --split_dataset_ratio) samples one greedy completion per prompt
+and reports the mean reward as -eval_loss and per function as eval_rewards/<name>.
+"""
+
+import contextlib
+import json
+
+import torch
+
+from swiftlm.config import RLHFConfig
+from swiftlm.data.encode import IGNORE_INDEX, TruncationReport
+from swiftlm.data.prompts import prompt_sample
+from swiftlm.errors import ConfigError, DataError
+from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
+from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
+from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
+from swiftlm.methods.grpo_steps import GenerationBuffer, Rollouts
+from swiftlm.methods.online import SHARDED, StepContext, check_online_layout
+from swiftlm.methods.reference import Reference
+from swiftlm.methods.rewards import RewardSet
+from swiftlm.methods.rollout import PolicySampler
+from swiftlm.methods.token import token_pads
+
+
+class GRPO:
+    name = "grpo"
+    columns = ("prompt_ids", "row", "weight")
+    supports_packing = False
+    default_datasets = ("swiftlm/arithmetic",)
+    eval_batch_size = 64  # prompts per greedy evaluation call (the engine batches them)
+
+    def __init__(self, cfg: RLHFConfig, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_pads = token_pads(tokenizer.pad_token_id)
+        self.cfg, self.data, self.rlhf, self.args = cfg, cfg.data, cfg.rlhf, cfg.grpo
+        _check_layout(cfg)
+        # The batch plan counts prompts: a micro-batch is per_device / num_generations of them.
+        self.completions_per_sample = self.args.num_generations
+        # beta 0: no KL term, so no reference model is loaded or kept.
+        self.reference = Reference(cfg, "grpo") if self.rlhf.beta > 0 else None
+        self.sampler = PolicySampler(tokenizer, cfg.data.max_length)
+        self.rewards: RewardSet | None = None  # built in prepare_model (it logs)
+        self.buffer = GenerationBuffer()
+        self.rollouts: Rollouts | None = None
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def to_sample(self, record: dict) -> dict:
+        return prompt_sample(
+            record, method="swiftlm rlhf --rlhf_type grpo", system=self.data.system
+        )
+
+    def encode(self, samples: list[dict]) -> EncodeResult:
+        """Prompt ids (chat template + generation prompt) and the row as JSON for the reward
+        functions. A prompt must leave --max_completion_length tokens of --max_length: a
+        longer one is dropped and counted, or with --truncation_strategy left keeps its end."""
+        budget = self.data.max_length - self.args.max_completion_length
+        report = TruncationReport(self.data.truncation_strategy, budget)
+        encoded = []
+        for sample in samples:
+            ids = self.tokenizer.apply_chat_template(
+                sample["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            if len(ids) > budget:
+                if self.data.truncation_strategy != "left":
+                    report.counts["deleted"] += 1
+                    continue
+                report.counts["truncated"] += 1
+                ids = ids[-budget:]
+            row = {"prompt": sample["prompt"], "columns": sample["columns"]}
+            encoded.append({"prompt_ids": ids, "row": json.dumps(row), "weight": 1.0})
+        if not encoded:
+            raise DataError(
+                f"no prompt fits --max_length {self.data.max_length} minus "
+                f"--max_completion_length {self.args.max_completion_length} ({report}); raise "
+                "--max_length or lower --max_completion_length"
+            )
+        return EncodeResult(encoded, [report.summary()] if report.summary() else [])
+
+    def cache_options(self) -> dict:
+        d = self.data
+        return {
+            "method": self.name,
+            "max_length": d.max_length,
+            "max_completion_length": self.args.max_completion_length,
+            "truncation_strategy": d.truncation_strategy,
+            "system": d.system,
+        }
+
+    def length(self, sample: dict) -> int:
+        return len(sample["prompt_ids"]) + self.args.max_completion_length
+
+    @staticmethod
+    def masked(sample: dict) -> dict:
+        return {**sample, "weight": 0.0}
+
+    @staticmethod
+    def collate(layout: Layout) -> Batch:
+        """A prompt micro-batch: the encoded samples themselves (the rollout makes tensors)."""
+        return {"prompts": [row[0] for row in layout.rows]}
+
+    def normalizer(self, batch: Batch) -> float:
+        if "prompts" in batch:  # evaluation: prompts
+            return float(sum(p["weight"] for p in batch["prompts"]))
+        mask = self.completion_mask(batch)
+        return normalizer(
+            mask, batch["weight"], self.rlhf.loss_type, self.args.max_completion_length
+        )
+
+    # -- model and steps -------------------------------------------------------------------------
+
+    def prepare_model(self, model: torch.nn.Module, log) -> None:
+        g, r = self.args, self.rlhf
+        epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
+        log(
+            f"grpo: loss_type {r.loss_type}, beta {r.beta}, num_generations {g.num_generations}, "
+            f"max_completion_length {g.max_completion_length}, temperature {g.temperature}, "
+            f"top_p {g.top_p}, epsilon {g.epsilon}/{epsilon_high}, importance_sampling_level "
+            f"{g.importance_sampling_level}, scale_rewards {g.scale_rewards}, "
+            f"advantage_estimator {g.advantage_estimator}, steps_per_generation "
+            f"{self.steps_per_generation}, reward_funcs {' '.join(g.reward_funcs)}"
+        )
+        if self.reference is not None:
+            self.reference.prepare(model, log)
+        else:
+            log("grpo: beta 0: no KL term, no reference model")
+        self.rewards = RewardSet(g, log)
+        self.rollouts = Rollouts(self, log)
+
+    @property
+    def steps_per_generation(self) -> int:
+        return self.args.steps_per_generation or self.cfg.train.gradient_accumulation_steps
+
+    def step_batches(self, model, context: StepContext) -> list[Batch]:
+        """The next optimizer step's micro-batches of completions: pending ones, or a new
+        generation over the prompts of the next steps_per_generation / GA optimizer steps."""
+        if not self.buffer.pending:
+            per_generation = self.steps_per_generation // self.cfg.train.gradient_accumulation_steps
+            steps = min(per_generation, context.steps_left)
+            prompt_batches = [context.draw() for _ in range(steps)]
+            self.buffer.fill(self.rollouts.generate(model, prompt_batches, context))
+        return self.buffer.pop()
+
+    def step_metrics(self) -> dict[str, float]:
+        return self.rollouts.metrics if self.rollouts else {}
+
+    def state_dict(self) -> dict:
+        return {"buffer": self.buffer.state_dict(), "rollouts": self.rollouts.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.rollouts.load_state_dict(state["rollouts"])
+
+    def close(self) -> None:
+        self.sampler.close()
+        if self.rewards:
+            self.rewards.close()
+
+    # -- loss ----------------------------------------------------------------------------------
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
+        if "prompts" in batch:
+            return self.rollouts.evaluate(model, batch["prompts"])
+        g, r = self.args, self.rlhf
+        logps = self.token_logps(model, batch)
+        mask = self.completion_mask(batch).to(logps.device)
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        losses, clipped = clipped_surrogate(
+            logps, old, batch["advantages"], mask,
+            epsilon_low=g.epsilon,
+            epsilon_high=g.epsilon_high if g.epsilon_high is not None else g.epsilon,
+            level=g.importance_sampling_level,
+        )  # fmt: skip
+        metrics = {"clip_ratio": reduce_tokens(clipped, mask, r.loss_type)}
+        if self.reference is not None:
+            with torch.no_grad():
+                reference, context = self.reference.module(model)
+                ref_logps = self.token_logps(reference, batch, context)
+            kl = k3_kl(logps, ref_logps)
+            losses = losses + r.beta * kl
+            metrics["kl"] = reduce_tokens(kl.detach(), mask, r.loss_type)
+        if "old_logps" not in batch:  # the policy that sampled: compare with the engine
+            gap = (logps.detach() - batch["engine_logps"]).abs()
+            metrics["logprob_mismatch"] = reduce_tokens(gap, mask, r.loss_type)
+        return reduce_tokens(losses, mask, r.loss_type), metrics
+
+    @staticmethod
+    def completion_mask(batch: Batch) -> torch.Tensor:
+        """1.0 on the completion tokens of real rows, at the shifted label positions."""
+        mask = (shifted_labels(batch["labels"]) != IGNORE_INDEX).float()
+        return mask * (batch["weight"] > 0).float().unsqueeze(1)
+
+    def token_logps(self, model, batch: Batch, context=None) -> torch.Tensor:
+        """Per position, the log-prob of the next label token under logits / temperature
+        (float32, [rows, width], 0 off the labels): what the engine sampled from."""
+        with context or contextlib.nullcontext():
+            logits = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                use_cache=False,
+            ).logits
+        return -token_cross_entropy(logits.float() / self.args.temperature, batch["labels"])
+
+    @staticmethod
+    def pipeline_loss(logits: torch.Tensor, batch: Batch) -> LossOutput:
+        raise ConfigError(f"--pipeline_parallel_size: swiftlm rlhf (GRPO): {SHARDED}")
+
+
+def _check_layout(cfg: RLHFConfig) -> None:
+    """Refuse what GRPO cannot run, before anything loads."""
+    g, t = cfg.grpo, cfg.train
+    check_online_layout(cfg, "--rlhf_type grpo")
+    if t.per_device_train_batch_size % g.num_generations:
+        raise ConfigError(
+            f"--per_device_train_batch_size {t.per_device_train_batch_size}: GRPO counts "
+            f"completions per micro-batch (as TRL and ms-swift), so it must be a multiple of "
+            f"--num_generations {g.num_generations}, e.g. {g.num_generations}"
+        )
+    spg = g.steps_per_generation
+    if spg is not None and spg % t.gradient_accumulation_steps:
+        raise ConfigError(
+            f"--steps_per_generation {spg} must be a multiple of --gradient_accumulation_steps "
+            f"{t.gradient_accumulation_steps} (a generation covers whole optimizer steps)"
+        )

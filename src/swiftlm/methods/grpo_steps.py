@@ -1,0 +1,320 @@
+"""One GRPO generation: sample groups, score them, compute advantages, lay out micro-batches;
+the buffer of steps not yet trained; greedy evaluation; what a generation logs.
+
+Logged per generation (as `step_metrics`, over every rank): reward and reward_std (mean of
+the groups' stds), rewards/<name>/mean and /std per function, rewards/<name>/failures,
+frac_reward_zero_std (groups whose rewards all agree: their advantages are 0),
+completions/mean_length, /min_length, /max_length, /clipped_ratio (stopped by
+--max_completion_length). The loss adds kl, clip_ratio and logprob_mismatch (the mean
+absolute gap between the engine's and the trainer's log-probs of the sampled tokens).
+`completions.jsonl` in the run directory holds every completion with its rewards.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from swiftlm.engine.protocol import GenerationRequest
+from swiftlm.losses.rl import group_advantages, reduce_tokens
+from swiftlm.methods.rollout import completion_rows, rollout_seed, sampling_params
+
+
+class GenerationBuffer:
+    """Optimizer steps of completion micro-batches sampled but not yet trained on."""
+
+    def __init__(self):
+        self.steps: list[list[dict]] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.steps)
+
+    def fill(self, steps: list[list[dict]]) -> None:
+        self.steps = list(steps)
+
+    def pop(self) -> list[dict]:
+        return self.steps.pop(0)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+
+
+class Rollouts:
+    """Sampling, scoring and batching for the GRPO method `method`."""
+
+    def __init__(self, method, log):
+        self.method, self.log = method, log
+        self.args, self.cfg = method.args, method.cfg
+        self.generations = 0  # generations so far (seeds, resume)
+        self.metrics: dict[str, float] = {}
+        self.zero_spread_notes = 0
+        run_dir = Path(self.cfg.output.output_dir or ".")
+        self.completions_file = run_dir / "completions.jsonl"
+
+    # -- a generation --------------------------------------------------------------------------
+
+    def generate(self, model, prompt_steps: list[list[dict]], context) -> list[list[dict]]:
+        """Completion micro-batches for the prompt micro-batches of each optimizer step."""
+        prompts = [p for step in prompt_steps for batch in step for p in batch["prompts"]]
+        rows = [json.loads(p["row"]) for p in prompts]
+        results = self._sample(model, prompts, attempt=0)
+        scored = self._score(prompts, rows, results)
+        if self.args.dynamic_sample:
+            results, scored = self._resample_flat_groups(model, prompts, rows, results, scored)
+        rewards = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), -1)
+        weights = torch.tensor([p["weight"] for p in prompts], dtype=torch.float64)
+        advantages = self._advantages(rewards, weights, context.strategy)
+        self._log_generation(context, prompts, rows, results, scored, rewards, advantages, weights)
+        steps, start = [], 0
+        for step in prompt_steps:
+            batches = []
+            for batch in step:
+                count = len(batch["prompts"])
+                span = slice(start, start + count)
+                batches.append(self._micro_batch(prompts[span], results[span], advantages[span]))
+                start += count
+            steps.append(batches)
+        if len(steps) > 1:  # later steps train a changed policy: keep the sampler's log-probs
+            self._add_old_logps(model, steps, context)
+        self.generations += 1
+        return steps
+
+    def _sample(self, model, prompts: list[dict], attempt: int, only=None):
+        seed = self.cfg.train.seed
+        chosen = range(len(prompts)) if only is None else only
+        requests = [
+            GenerationRequest(
+                prompts[i]["prompt_ids"],
+                sampling_params(
+                    self.args,
+                    self.args.num_generations,
+                    rollout_seed(seed, self.generations, prompts[i]["prompt_ids"], attempt),
+                ),
+            )
+            for i in chosen
+        ]
+        return self.method.sampler.generate(model, requests)
+
+    def _score(self, prompts, rows, results):
+        group = self.args.num_generations
+        completions = [s for samples in results for s in samples]
+        columns = _columns([row["columns"] for row in rows for _ in range(group)])
+        return self.method.rewards.score(
+            [row["prompt"] for row in rows for _ in range(group)],
+            [s.text for s in completions],
+            [list(s.token_ids) for s in completions],
+            columns,
+        )
+
+    def _resample_flat_groups(self, model, prompts, rows, results, scored):
+        """--dynamic_sample: sample the groups whose rewards all agree again, new seeds."""
+        group = self.args.num_generations
+        for attempt in range(1, self.args.max_resample_times + 1):
+            totals = torch.tensor(scored.total).view(len(prompts), group)
+            flat = [i for i in range(len(prompts)) if bool((totals[i] == totals[i, 0]).all())]
+            if not flat:
+                break
+            again = self._sample(model, prompts, attempt, only=flat)
+            rescored = self._score([prompts[i] for i in flat], [rows[i] for i in flat], again)
+            for slot, i in enumerate(flat):
+                results[i] = again[slot]
+                for name, values in scored.per_function.items():
+                    new = rescored.per_function[name][slot * group : (slot + 1) * group]
+                    values[i * group : (i + 1) * group] = new
+                scored.total[i * group : (i + 1) * group] = rescored.total[
+                    slot * group : (slot + 1) * group
+                ]
+        return results, scored
+
+    def _advantages(self, rewards, weights, strategy) -> torch.Tensor:
+        """[prompts, G] advantages; scale_rewards batch uses the std over every rank's real
+        completions (padding prompts of an idle rank excluded)."""
+        a = self.args
+        batch_std = None
+        if a.scale_rewards == "batch":
+            real = rewards[weights > 0]
+            ctx = strategy.ctx
+            n = ctx.all_reduce_sum(float(real.numel()))
+            total = ctx.all_reduce_sum(float(real.sum()))
+            squares = ctx.all_reduce_sum(float((real**2).sum()))
+            batch_std = math.sqrt(max(squares - total * total / n, 0.0) / max(n - 1, 1))
+        return group_advantages(
+            rewards, estimator=a.advantage_estimator, scale=a.scale_rewards, batch_std=batch_std
+        ).float()
+
+    def _micro_batch(self, prompts, results, advantages) -> dict:
+        prompt_ids = [p["prompt_ids"] for p in prompts for _ in range(self.args.num_generations)]
+        samples = [s for group in results for s in group]
+        batch = completion_rows(
+            prompt_ids,
+            [list(s.token_ids) for s in samples],
+            [[lp.logprob for lp in s.logprobs] for s in samples],
+            self.method.tokenizer.pad_token_id,
+        )
+        batch["advantages"] = advantages.reshape(-1)
+        weights = [p["weight"] for p in prompts for _ in range(self.args.num_generations)]
+        batch["weight"] = torch.tensor(weights, dtype=torch.float32)
+        return batch
+
+    @torch.no_grad()
+    def _add_old_logps(self, model, steps, context) -> None:
+        """The sampling policy's log-probs (the trainer's forward, before any update of this
+        generation), for the importance ratio of every step; and the engine mismatch."""
+        loss_type = self.method.rlhf.loss_type
+        gap, units = 0.0, 0.0
+        device = next(model.parameters()).device
+        for batches in steps:
+            for batch in batches:
+                moved = {k: v.to(device) for k, v in batch.items()}
+                with context.autocast():
+                    logps = self.method.token_logps(model, moved).cpu()
+                batch["old_logps"] = logps
+                mask = self.method.completion_mask(batch)
+                gap += float(reduce_tokens((logps - batch["engine_logps"]).abs(), mask, loss_type))
+                units += self.method.normalizer(batch)
+        ctx = context.strategy.ctx
+        units = ctx.all_reduce_sum(units)
+        self.metrics["logprob_mismatch"] = ctx.all_reduce_sum(gap) / max(units, 1.0)
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, model, prompts: list[dict]):
+        """(-sum of rewards, per-function reward sums) of one greedy completion per prompt."""
+        rows = [json.loads(p["row"]) for p in prompts]
+        requests = [
+            GenerationRequest(p["prompt_ids"], sampling_params(self.args, 1, 0, greedy=True))
+            for p in prompts
+        ]
+        results = self.method.sampler.generate(model, requests)
+        completions = [group[0] for group in results]
+        scored = self.method.rewards.score(
+            [row["prompt"] for row in rows],
+            [s.text for s in completions],
+            [list(s.token_ids) for s in completions],
+            _columns([row["columns"] for row in rows]),
+        )
+        weights = torch.tensor([p["weight"] for p in prompts], dtype=torch.float64)
+        total = torch.tensor(scored.total, dtype=torch.float64)
+        metrics = {
+            f"rewards/{name}": (torch.tensor([v or 0.0 for v in values]) * weights).sum()
+            for name, values in scored.per_function.items()
+        }
+        return -(total * weights).sum(), metrics
+
+    # -- what a generation reports ---------------------------------------------------------------
+
+    def _log_generation(self, context, prompts, rows, results, scored, rewards, adv, weights):
+        group = self.args.num_generations
+        real = weights > 0
+        sums: dict[str, float] = {"groups": float(real.sum()), "completions": 0.0}
+        stds = rewards.std(dim=1)
+        sums["reward"] = float(rewards[real].sum())
+        sums["reward_std"] = float(stds[real].sum())
+        sums["frac_reward_zero_std"] = float((stds[real] == 0).sum())
+        lengths = torch.tensor([len(s.token_ids) for g in results for s in g]).view(-1, group)
+        clipped = torch.tensor([s.finish_reason == "length" for g in results for s in g])
+        sums["completions"] = float(real.sum()) * group
+        sums["length"] = float(lengths[real].sum())
+        sums["clipped"] = float(clipped.view(-1, group)[real].sum())
+        for name, values in scored.per_function.items():
+            matrix = torch.tensor([math.nan if v is None else v for v in values]).view(-1, group)
+            ok = matrix[real]
+            ok = ok[~ok.isnan()]
+            sums[f"{name}/sum"] = float(ok.sum())
+            sums[f"{name}/squares"] = float((ok**2).sum())
+            sums[f"{name}/count"] = float(ok.numel())
+            sums[f"{name}/failures"] = float(scored.failures.get(name, 0))
+        ctx = context.strategy.ctx
+        totals = {k: ctx.all_reduce_sum(v) for k, v in sums.items()}
+        self.metrics = _generation_metrics(totals, self.method.rewards.names)
+        if bool(real.any()):  # this rank's (the context offers sums only)
+            self.metrics["completions/min_length"] = float(lengths[real].min())
+            self.metrics["completions/max_length"] = float(lengths[real].max())
+        if self.metrics["frac_reward_zero_std"] == 1.0:
+            self._explain_zero_loss(context.step)
+        self._write_completions(context, rows, results, scored, adv, weights)
+
+    def _explain_zero_loss(self, step: int) -> None:
+        self.zero_spread_notes += 1
+        if self.zero_spread_notes in (1, 10, 100):
+            self.log(
+                f"step {step}: every group's completions got the same reward, so every advantage "
+                "is 0: the policy-gradient loss is 0 and only the KL term (--beta) moves the "
+                "weights. Raise --temperature or --num_generations, use --dynamic_sample, or "
+                "make the rewards finer-grained (this note repeats at the 10th and 100th time)"
+            )
+
+    def _write_completions(self, context, rows, results, scored, advantages, weights) -> None:
+        rank = context.strategy.ctx.rank
+        file = self.completions_file
+        if rank:
+            file = file.with_name(f"completions-rank{rank}.jsonl")
+        group = self.args.num_generations
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with file.open("a", encoding="utf-8") as out:
+            for i, (row, samples) in enumerate(zip(rows, results, strict=True)):
+                if weights[i] <= 0:
+                    continue
+                for j, sample in enumerate(samples):
+                    k = i * group + j
+                    record = {
+                        "step": context.step,
+                        "generation": self.generations,
+                        "prompt": row["prompt"],
+                        "completion": sample.text,
+                        "finish_reason": sample.finish_reason,
+                        "rewards": {n: v[k] for n, v in scored.per_function.items()},
+                        "reward": scored.total[k],
+                        "advantage": round(float(advantages[i, j]), 6),
+                    }
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    # -- resume --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"generations": self.generations, "metrics": self.metrics}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generations = state["generations"]
+        self.metrics = state["metrics"]
+        for file in self.completions_file.parent.glob("completions*.jsonl"):
+            _keep_generations(file, self.generations)
+
+
+def _columns(per_completion: list[dict]) -> dict[str, list]:
+    """Row columns as lists aligned with the completions (None where a row lacks one)."""
+    names = sorted({name for columns in per_completion for name in columns})
+    return {name: [columns.get(name) for columns in per_completion] for name in names}
+
+
+def _generation_metrics(totals: dict[str, float], names: list[str]) -> dict[str, float]:
+    groups, completions = max(totals["groups"], 1.0), max(totals["completions"], 1.0)
+    metrics = {
+        "reward": totals["reward"] / completions,
+        "reward_std": totals["reward_std"] / groups,
+        "frac_reward_zero_std": totals["frac_reward_zero_std"] / groups,
+        "completions/mean_length": totals["length"] / completions,
+        "completions/clipped_ratio": totals["clipped"] / completions,
+    }
+    for name in names:
+        count = max(totals[f"{name}/count"], 1.0)
+        mean = totals[f"{name}/sum"] / count
+        variance = max(totals[f"{name}/squares"] / count - mean * mean, 0.0)
+        metrics[f"rewards/{name}/mean"] = mean
+        metrics[f"rewards/{name}/std"] = math.sqrt(variance)
+        metrics[f"rewards/{name}/failures"] = totals[f"{name}/failures"]
+    return metrics
+
+
+def _keep_generations(file: Path, generations: int) -> None:
+    """Drop the lines a crashed run wrote after its last checkpoint (resume rewrites them)."""
+    lines = file.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line)["generation"] < generations]
+    if len(kept) != len(lines):
+        file.write_text("".join(kept), encoding="utf-8")

@@ -1,0 +1,71 @@
+"""What an online method (GRPO, GKD) adds to `methods.base.Method`: it makes its own
+micro-batches each step, by sampling from the policy, instead of reading them from the data.
+
+The loop calls `step_batches(model, StepContext)` instead of collating the data position's
+micro-batches; the method draws prompt micro-batches with `context.draw()` (each call: one
+optimizer step's worth, the data position advances) as it needs them, and may keep
+completions for later steps: `state_dict()` goes into every checkpoint (per rank) and
+`load_state_dict()` restores it on resume, so a resumed run trains on what the straight run
+would have. `step_metrics()` adds the generation's figures (rewards, lengths ...) to the log.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from swiftlm.config.sections import AUTO_BATCH_SIZE
+from swiftlm.errors import ConfigError
+from swiftlm.methods.base import Batch
+
+# Why the engine cannot sample from a sharded model: it runs the whole local module.
+SHARDED = "the rollout engine needs the whole model on each rank; use data parallel (ddp)"
+
+
+@dataclass
+class StepContext:
+    draw: Callable[[], list[Batch]]  # the next optimizer step's prompt micro-batches
+    steps_left: int  # optimizer steps still to run, this one included
+    step: int  # the optimizer step about to run (1-based)
+    strategy: Any  # distributed.strategy.Strategy: ranks, all-reduce
+    autocast: Callable[[], Any]  # the training forward's precision context
+
+
+class OnlineMethod(Protocol):
+    def step_batches(self, model, context: StepContext) -> list[Batch]: ...
+
+    def step_metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def is_online(method) -> bool:
+    return callable(getattr(method, "step_batches", None))
+
+
+def check_online_layout(cfg, method: str) -> None:
+    """Refuse, before anything loads, what an online method (`method`, e.g. "--rlhf_type
+    grpo") cannot run: sharded models, and the batch shapes its sampled rows rule out."""
+    t, d = cfg.train, cfg.dist
+    if t.per_device_train_batch_size == AUTO_BATCH_SIZE:
+        raise ConfigError(
+            f"--per_device_train_batch_size auto: not available with {method} (a micro-batch "
+            "is completions sampled each step); give a number"
+        )
+    refused = {
+        "--fsdp": (bool(d.fsdp), SHARDED),
+        "--deepspeed": (bool(d.deepspeed), SHARDED),
+        "--tensor_parallel_size": (d.tensor_parallel_size > 1, SHARDED),
+        "--pipeline_parallel_size": (d.pipeline_parallel_size > 1, SHARDED),
+        f"--strategy {d.strategy}": (d.strategy in ("fsdp2", "deepspeed", "tp", "pp"), SHARDED),
+        "--packing": (t.packing, "a micro-batch is sampled completions; drop the flag"),
+        "--padding_free": (t.padding_free, "a micro-batch is sampled completions; drop the flag"),
+        "--max_tokens_per_batch": (t.max_tokens_per_batch > 0, "drop the flag"),
+        "--torch_compile": (t.torch_compile, "the sampled shapes change every step; drop it"),
+    }
+    for flag, (given, why) in refused.items():
+        if given:
+            raise ConfigError(f"{flag}: not available with {method} yet: {why}")

@@ -1,0 +1,108 @@
+"""Sampling from the policy being trained, and turning samples into training micro-batches.
+
+`PolicySampler` runs the serving engine (`swiftlm.engine`) over the live policy module: no
+copy of the weights, no reload per step. Between optimizer steps the loop thread hands the
+engine its requests and waits; the engine's thread runs the forward passes under
+inference mode (no autograd) with the KV cache, and the trainer then trains on the result.
+With LoRA the engine samples through the active adapter: the current policy.
+
+`completion_rows` lays out prompt + completion per row, right-padded, with labels on the
+completion tokens only (the stop token included, so the policy learns to stop), and puts
+per-token values sampled by the engine (its log-probs) at the positions the trainer's
+shifted next-token log-probs have.
+"""
+
+import zlib
+
+import torch
+
+from swiftlm.data.collate import collate
+from swiftlm.data.encode import IGNORE_INDEX
+from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
+from swiftlm.engine.protocol import GenerationRequest, SampleResult, SamplingParams
+from swiftlm.methods.reference import unwrapped
+
+MAX_ENGINE_SEQUENCES = 64  # rows decoded together at most
+
+
+class PolicySampler:
+    """The continuous-batching engine over the policy, built at the first call."""
+
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.engine: ContinuousEngine | None = None
+
+    def generate(self, model, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
+        policy = unwrapped(model)
+        was_training = policy.training
+        engine = self._engine(policy)
+        try:
+            policy.eval()
+            return engine.generate(requests)
+        finally:
+            policy.train(was_training)
+
+    def _engine(self, policy) -> ContinuousEngine:
+        if self.engine is None or self.engine.model is not policy:
+            self.close()
+            self.engine = ContinuousEngine(
+                policy,
+                self.tokenizer,
+                stop_token_ids=stop_token_ids(self.tokenizer, policy),
+                max_num_seqs=MAX_ENGINE_SEQUENCES,  # the KV cache grows only as rows run
+                max_model_len=self.max_model_len,
+                prefill_chunk_tokens=4096,
+            )
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def sampling_params(grpo_args, n: int, seed: int, greedy: bool = False) -> SamplingParams:
+    """The rollout's sampling; log-probs of the temperature-scaled logits (what the trainer
+    recomputes), so the two can be compared."""
+    g = grpo_args
+    return SamplingParams(
+        max_tokens=g.max_completion_length,
+        temperature=0.0 if greedy else g.temperature,
+        top_p=1.0 if greedy else g.top_p,
+        n=n,
+        seed=seed,
+        logprobs=True,
+        logprobs_mode="scaled",
+    )
+
+
+def rollout_seed(run_seed: int, generation: int, prompt_ids: list[int], attempt: int = 0) -> int:
+    """A request's seed from the run seed, the generation's number and the prompt itself: the
+    same prompt samples the same completions whatever rank or micro-batch it lands in, so a
+    run on 2 ranks samples what one process samples, and a resumed run what it would have."""
+    digest = zlib.crc32(torch.tensor(prompt_ids, dtype=torch.int64).numpy().tobytes())
+    return (run_seed * 1_000_003 + generation * 7_919 + attempt * 104_729 + digest) % (2**62)
+
+
+def completion_rows(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    engine_logps: list[list[float]],
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask, labels (completion tokens only) and engine_logps, the
+    engine's log-prob of each completion token at its label's shifted position [rows, W]."""
+    rows = [
+        {"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c}
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    batch = collate(rows, pad_token_id)
+    width = batch["input_ids"].shape[1]
+    placed = torch.zeros((len(rows), width), dtype=torch.float32)
+    for row, (prompt, logps) in enumerate(zip(prompts, engine_logps, strict=True)):
+        # Position t holds the log-prob of token t + 1 (losses.causal_lm.shifted_labels).
+        start = len(prompt) - 1
+        placed[row, start : start + len(logps)] = torch.tensor(logps, dtype=torch.float32)
+    batch["engine_logps"] = placed
+    return batch

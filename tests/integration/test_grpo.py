@@ -1,0 +1,252 @@
+"""`swiftlm rlhf --rlhf_type grpo` on a tiny model: the engine's log-probs equal the trainer's,
+exact resume with pending completions, 2 gloo ranks equal one process, gradient accumulation,
+failing reward functions that do not stop the run, what a run logs and writes, bad input."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import logged, max_weight_difference, write_jsonl
+from swiftlm.cli.main import main
+
+ROWS = [{"prompt": f"What is {i} plus {i + 1}?", "solution": str(2 * i + 1)} for i in range(16)]
+ADAPTER = "final/adapter_model.safetensors"
+SHORT_REWARD = """
+def short(prompts, completions, completion_ids, **kwargs):
+    return [-len(ids) / 8 for ids in completion_ids]
+"""
+BAD_REWARDS = """
+import time
+
+def sleepy(prompts, completions, **kwargs):
+    time.sleep(3600)
+
+def broken(prompts, completions, **kwargs):
+    raise RuntimeError("my reward has a bug")
+"""
+
+
+def grpo(model_dir, data, out, **flags) -> list[str]:
+    defaults = {
+        "rlhf_type": "grpo",
+        "torch_dtype": "float32",
+        "report_to": "none",
+        "logging_steps": 1,
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_length": 64,
+        "lora_dropout": 0,
+    }
+    argv = ["rlhf", "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out)]
+    for name, value in {**defaults, **flags}.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        argv += [f"--{name}", *map(str, values)]
+    return argv
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    return write_jsonl(tmp_path / "prompts.jsonl", ROWS)
+
+
+@pytest.fixture
+def short_reward(tmp_path):
+    path = tmp_path / "short.py"
+    path.write_text(SHORT_REWARD)
+    return f"{path}:short"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_engine_and_the_trainer_agree_on_the_sampled_tokens(tiny_model_dir, temperature):
+    """The engine's log-probs (logprobs_mode scaled) of the tokens it sampled equal the
+    trainer's forward log-probs of the same tokens under logits / temperature (fp32)."""
+    from types import SimpleNamespace
+
+    from swiftlm.engine.protocol import GenerationRequest
+    from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
+    from swiftlm.methods.rollout import PolicySampler, completion_rows, sampling_params
+    from swiftlm.models.loader import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    model = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"), "sdpa")
+    args = SimpleNamespace(max_completion_length=12, temperature=temperature, top_p=1.0)
+    prompts = [tokenizer(f"question {i} " * (i + 1))["input_ids"] for i in range(6)]
+    sampler = PolicySampler(tokenizer, 128)
+    try:
+        results = sampler.generate(
+            model,
+            [GenerationRequest(p, sampling_params(args, 3, seed=i)) for i, p in enumerate(prompts)],
+        )
+    finally:
+        sampler.close()
+    samples = [s for group in results for s in group]
+    batch = completion_rows(
+        [p for p in prompts for _ in range(3)],
+        [list(s.token_ids) for s in samples],
+        [[lp.logprob for lp in s.logprobs] for s in samples],
+        tokenizer.pad_token_id,
+    )
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    trainer = -token_cross_entropy(logits / temperature, batch["labels"])
+    mask = shifted_labels(batch["labels"]) != -100
+    gap = (trainer - batch["engine_logps"]).abs()[mask]
+    assert int(mask.sum()) == sum(len(s.token_ids) for s in samples) > 50
+    assert float(gap.mean()) < 1e-3, float(gap.mean())
+    # Not trivially equal: log-probs at temperature 1 and 0.7 differ.
+    other = -token_cross_entropy(logits / (1.7 - temperature), batch["labels"])
+    assert float((other - batch["engine_logps"]).abs()[mask].mean()) > 1e-2
+
+
+def test_a_run_logs_rewards_and_writes_completions(tiny_model_dir, prompts, short_reward, tmp_path):
+    out = tmp_path / "run"
+    flags = dict(
+        max_steps=8, learning_rate="3e-2", reward_funcs=[short_reward, "length"], beta=0.04
+    )
+    assert main(grpo(tiny_model_dir, prompts, out, **flags)) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = rows[0]
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio", "logprob_mismatch",
+                f"rewards/{short_reward}/mean", "rewards/length/mean", "completions/mean_length"):  # fmt: skip
+        assert key in first, key
+    assert first["kl"] == 0  # the adapter starts as the identity: policy == reference
+    assert first["logprob_mismatch"] < 1e-3
+    lengths = logged(out, "completions/mean_length")
+    assert sum(lengths[-3:]) / 3 < sum(lengths[:3]) / 3  # the "short" reward is learned
+    completions = [
+        json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()
+    ]
+    assert len(completions) == 8 * 8  # 8 steps x 2 prompts x 4 completions
+    assert {"prompt", "completion", "rewards", "reward", "advantage", "step"} <= completions[
+        0
+    ].keys()
+    config = (out / "config.yaml").read_text()
+    assert "rlhf_type: grpo" in config and "temperature: 1.0" in config and "beta: 0.04" in config
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_crashed_run_resumed_equals_an_uninterrupted_one(
+    tiny_model_dir, prompts, short_reward, tmp_path, monkeypatch, capsys
+):
+    """6 steps, 2 optimizer steps per generation, a checkpoint at step 3: the resumed run
+    trains step 4 on the completions sampled at step 3 (saved with the checkpoint)."""
+    from swiftlm.methods.grpo import GRPO
+
+    flags = dict(
+        max_steps=6, save_steps=3, steps_per_generation=2, learning_rate="3e-2",
+        reward_funcs=short_reward,
+    )  # fmt: skip
+    assert main(grpo(tiny_model_dir, prompts, tmp_path / "straight", **flags)) == 0
+    real_loss, calls = GRPO.loss, {"n": 0}
+
+    def crashing_loss(self, model, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise Crash  # killed during step 4, after the step-3 checkpoint
+        return real_loss(self, model, batch)
+
+    monkeypatch.setattr(GRPO, "loss", crashing_loss)
+    with pytest.raises(Crash):
+        main(grpo(tiny_model_dir, prompts, tmp_path / "resumed", **flags))
+    monkeypatch.setattr(GRPO, "loss", real_loss)
+    resumed = grpo(tiny_model_dir, prompts, tmp_path / "resumed", **flags)
+    assert main([*resumed, "--resume_from_checkpoint", "auto"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    a, b = tmp_path / "straight" / ADAPTER, tmp_path / "resumed" / ADAPTER
+    assert max_weight_difference(a, b) <= 1e-6
+    for key in ("loss", "reward", "clip_ratio"):
+        straight = logged(tmp_path / "straight", key)[-3:]
+        assert logged(tmp_path / "resumed", key)[-3:] == pytest.approx(straight, abs=1e-6)
+    # The completions of the crashed generation were written again, not twice.
+    lines = (tmp_path / "resumed" / "completions.jsonl").read_text().splitlines()
+    assert len(lines) == len((tmp_path / "straight" / "completions.jsonl").read_text().splitlines())
+    # One generation per 2 optimizer steps: sampled at steps 1, 3 and 5.
+    assert {json.loads(line)["step"] for line in lines} == {1, 3, 5}
+
+
+def test_accumulating_2_micro_batches_equals_1_batch(
+    tiny_model_dir, prompts, short_reward, tmp_path
+):
+    common = dict(max_steps=3, learning_rate="3e-2", reward_funcs=short_reward, loss_type="dapo")
+    one = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    two = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert main(grpo(tiny_model_dir, prompts, tmp_path / "one", **common, **one)) == 0
+    assert main(grpo(tiny_model_dir, prompts, tmp_path / "two", **common, **two)) == 0
+    assert max_weight_difference(tmp_path / "one" / ADAPTER, tmp_path / "two" / ADAPTER) <= 1e-6
+    assert logged(tmp_path / "one") == pytest.approx(logged(tmp_path / "two"), abs=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_equal_one_process(tiny_model_dir, prompts, short_reward, tmp_path):
+    """Each rank samples its own prompts; the seeds follow the prompt, so the completions, the
+    advantages (scale_rewards batch: the std over both ranks) and the weights are those of one
+    process with the whole batch."""
+    common = dict(
+        max_steps=3, learning_rate="3e-2", reward_funcs=short_reward, scale_rewards="batch"
+    )
+    assert main(grpo(tiny_model_dir, prompts, tmp_path / "single", **common)) == 0
+    argv = grpo(tiny_model_dir, prompts, tmp_path / "ddp", **common, per_device_train_batch_size=4)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+              "--master_port", str(_free_port()), "-m", "swiftlm.cli.main", *argv]  # fmt: skip
+    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    a, b = tmp_path / "single" / ADAPTER, tmp_path / "ddp" / ADAPTER
+    assert max_weight_difference(a, b) <= 1e-5
+    assert logged(tmp_path / "ddp", "reward") == pytest.approx(
+        logged(tmp_path / "single", "reward"), abs=1e-6
+    )
+
+
+def test_a_hanging_and_a_raising_reward_are_counted_and_the_run_goes_on(
+    tiny_model_dir, prompts, tmp_path, capsys
+):
+    path = tmp_path / "bad_rewards.py"
+    path.write_text(BAD_REWARDS)
+    out = tmp_path / "run"
+    funcs = [f"{path}:sleepy", f"{path}:broken", "length"]
+    assert (
+        main(grpo(tiny_model_dir, prompts, out, max_steps=2, reward_funcs=funcs, reward_timeout=1))
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "timed out after 1 s (--reward_timeout)" in printed
+    assert "RuntimeError: my reward has a bug" in printed
+    assert logged(out, f"rewards/{path}:sleepy/failures") == [8.0, 8.0]
+    assert logged(out, f"rewards/{path}:broken/failures") == [8.0, 8.0]
+    assert (out / "final").is_dir()
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm rlhf --rlhf_type grpo --per_device_train_batch_size` not a multiple of "
+    "--num_generations",
+    outcome="Error: the batch size counts completions (as TRL and ms-swift), with a value to use",
+)
+def test_a_batch_that_splits_a_group_is_refused(tiny_model_dir, prompts, tmp_path, capsys):
+    assert main(grpo(tiny_model_dir, prompts, tmp_path / "x", per_device_train_batch_size=6)) == 2
+    assert "must be a multiple of --num_generations 4" in capsys.readouterr().err
+
+
+@pytest.mark.bad_input(
+    input="A GRPO prompt row without a prompt (`messages`, `prompt`, `query` ...)",
+    outcome="Error naming file:line and the accepted layouts",
+)
+def test_a_row_without_a_prompt_is_refused_by_line(tiny_model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "bad.jsonl", [*ROWS[:3], {"question": "x", "solution": "1"}])
+    assert main(grpo(tiny_model_dir, data, tmp_path / "x", max_steps=1)) == 1
+    err = capsys.readouterr().err
+    assert "bad.jsonl:4" in err and "no prompt" in err
