@@ -5,6 +5,7 @@ is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`
 """
 
 from swiftlm.methods.dpo import DPO
+from swiftlm.methods.gkd import GKD
 from swiftlm.methods.grpo import GRPO
 from swiftlm.methods.kto import KTO
 from swiftlm.methods.pt import PT
@@ -22,4 +23,5 @@ METHODS = {
     "kto": KTO,
     "rm": RewardModel,
     "grpo": GRPO,
+    "gkd": GKD,
 }
