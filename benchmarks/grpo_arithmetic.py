@@ -92,15 +92,20 @@ def svg(rewards, held_out, base: float, path: Path) -> None:
     grid = "".join(
         f'<line x1="{pad}" x2="{width - pad}" y1="{height - pad - (height - 2 * pad) * g}" '
         f'y2="{height - pad - (height - 2 * pad) * g}" stroke="#ddd"/>'
-        f'<text x="4" y="{height - pad - (height - 2 * pad) * g + 4}" font-size="11">{g:.1f}</text>'
+        f'<text x="4" y="{height - pad - (height - 2 * pad) * g + 4}" font-size="11">{g:.2f}</text>'
         for g in (0, 0.25, 0.5, 0.75, 1.0)
+    )
+    ticks = "".join(
+        f'<text x="{pad + (width - 2 * pad) * s / last - 6:.1f}" y="{height - pad + 14}" '
+        f'font-size="11">{s}</text>'
+        for s in range(0, last + 1, max(10, last // 6 // 10 * 10))
     )
     path.write_text(
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif">{grid}{line(accuracy, "#1f77b4")}{line(reward, "#ff7f0e")}'
+        f'font-family="sans-serif">{grid}{ticks}{line(accuracy, "#1f77b4")}{line(reward, "#ff7f0e")}'
         f'<text x="{pad}" y="20" font-size="13" fill="#1f77b4">held-out accuracy (greedy)</text>'
         f'<text x="{pad + 220}" y="20" font-size="13" fill="#ff7f0e">training reward (sampled, mean of 10 steps)</text>'
-        f'<text x="{width / 2 - 20}" y="{height - 8}" font-size="12">step (0 .. {last})</text></svg>\n'
+        f'<text x="{width / 2 - 20}" y="{height - 4}" font-size="12">step</text></svg>\n'
     )
 
 
