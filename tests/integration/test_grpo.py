@@ -191,25 +191,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_gloo_ranks_equal_one_process(tiny_model_dir, prompts, short_reward, tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_gloo_ranks_equal_one_process(engine, tiny_model_dir, prompts, short_reward, tmp_path):
     """Each rank samples its own prompts; the seeds follow the prompt, so the completions, the
     advantages (scale_rewards batch: the std over both ranks) and the weights are those of one
-    process with the whole batch."""
+    process with the whole batch. FSDP2 samples in lockstep (every rank decodes
+    --max_completion_length tokens, cut after the first stop token): the same completions."""
     common = dict(
         max_steps=3, learning_rate="3e-2", reward_funcs=short_reward, scale_rewards="batch"
     )
     assert main(grpo(tiny_model_dir, prompts, tmp_path / "single", **common)) == 0
-    argv = grpo(tiny_model_dir, prompts, tmp_path / "ddp", **common, per_device_train_batch_size=4)
+    sharding = {"fsdp": "fsdp2"} if engine == "fsdp2" else {}
+    out = tmp_path / engine
+    argv = grpo(tiny_model_dir, prompts, out, **common, **sharding, per_device_train_batch_size=4)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
               "--master_port", str(_free_port()), "-m", "swiftlm.cli.main", *argv]  # fmt: skip
     done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    a, b = tmp_path / "single" / ADAPTER, tmp_path / "ddp" / ADAPTER
+    a, b = tmp_path / "single" / ADAPTER, out / ADAPTER
     assert max_weight_difference(a, b) <= 1e-5
-    assert logged(tmp_path / "ddp", "reward") == pytest.approx(
-        logged(tmp_path / "single", "reward"), abs=1e-6
-    )
+    for key in ("reward", "completions/mean_length"):
+        assert logged(out, key) == pytest.approx(logged(tmp_path / "single", key), abs=1e-6)
 
 
 def test_a_hanging_and_a_raising_reward_are_counted_and_the_run_goes_on(

@@ -39,6 +39,7 @@ class ContinuousEngine:
         prefill_chunk_tokens: int = 1024,
         adapters: tuple[str, ...] = (),
         seed: int = 0,
+        inference_mode: bool = True,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -56,6 +57,9 @@ class ContinuousEngine:
             seed=seed,
         )
         self.stop_token_ids = sorted(stop_token_ids)
+        # False: plain no_grad. Sampling from a model that trains right after (FSDP2 keeps
+        # buffers across forwards) must not leave inference tensors behind.
+        self.inference_mode = inference_mode
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.generated_tokens = 0  # all samples, for throughput reports
@@ -142,7 +146,7 @@ class ContinuousEngine:
 
     def _loop(self) -> None:
         scheduler = self.scheduler
-        with torch.inference_mode():
+        with torch.inference_mode() if self.inference_mode else torch.no_grad():
             while True:
                 with self._lock:
                     while not (

@@ -34,7 +34,12 @@ from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
 from swiftlm.methods.grpo_steps import GenerationBuffer, Rollouts
-from swiftlm.methods.online import SHARDED, StepContext, check_online_layout
+from swiftlm.methods.online import (
+    SHARDED,
+    StepContext,
+    check_online_layout,
+    sharded_by_fsdp2,
+)
 from swiftlm.methods.reference import Reference
 from swiftlm.methods.rewards import RewardSet
 from swiftlm.methods.rollout import PolicySampler
@@ -57,7 +62,7 @@ class GRPO:
         self.completions_per_sample = self.args.num_generations
         # beta 0: no KL term, so no reference model is loaded or kept.
         self.reference = Reference(cfg, "grpo") if self.rlhf.beta > 0 else None
-        self.sampler = PolicySampler(tokenizer, cfg.data.max_length)
+        self.sampler = PolicySampler(tokenizer, cfg.data.max_length, sharded_by_fsdp2(cfg))
         self.rewards: RewardSet | None = None  # built in prepare_model (it logs)
         self.buffer = GenerationBuffer()
         self.rollouts: Rollouts | None = None
@@ -229,7 +234,12 @@ class GRPO:
 def _check_layout(cfg: RLHFConfig) -> None:
     """Refuse what GRPO cannot run, before anything loads."""
     g, t = cfg.grpo, cfg.train
-    check_online_layout(cfg, "--rlhf_type grpo")
+    check_online_layout(cfg, "--rlhf_type grpo", lockstep=True)
+    if g.dynamic_sample and sharded_by_fsdp2(cfg):
+        raise ConfigError(
+            "--dynamic_sample: not available with FSDP2 (each rank would resample a different "
+            "number of groups, and FSDP2 needs every rank to run the same forwards); use ddp"
+        )
     if t.per_device_train_batch_size % g.num_generations:
         raise ConfigError(
             f"--per_device_train_batch_size {t.per_device_train_batch_size}: GRPO counts "

@@ -46,9 +46,10 @@ def is_online(method) -> bool:
     return callable(getattr(method, "step_batches", None))
 
 
-def check_online_layout(cfg, method: str) -> None:
+def check_online_layout(cfg, method: str, lockstep: bool = False) -> None:
     """Refuse, before anything loads, what an online method (`method`, e.g. "--rlhf_type
-    grpo") cannot run: sharded models, and the batch shapes its sampled rows rule out."""
+    grpo") cannot run: sharded models (but FSDP2 when it samples in `lockstep`), and the
+    batch shapes its sampled rows rule out."""
     t, d = cfg.train, cfg.dist
     if t.per_device_train_batch_size == AUTO_BATCH_SIZE:
         raise ConfigError(
@@ -56,11 +57,14 @@ def check_online_layout(cfg, method: str) -> None:
             "is completions sampled each step); give a number"
         )
     refused = {
-        "--fsdp": (bool(d.fsdp), SHARDED),
+        "--fsdp": (bool(d.fsdp) and not lockstep, SHARDED),
         "--deepspeed": (bool(d.deepspeed), SHARDED),
         "--tensor_parallel_size": (d.tensor_parallel_size > 1, SHARDED),
         "--pipeline_parallel_size": (d.pipeline_parallel_size > 1, SHARDED),
-        f"--strategy {d.strategy}": (d.strategy in ("fsdp2", "deepspeed", "tp", "pp"), SHARDED),
+        f"--strategy {d.strategy}": (
+            d.strategy in ("deepspeed", "tp", "pp") or (d.strategy == "fsdp2" and not lockstep),
+            SHARDED,
+        ),
         "--packing": (t.packing, "a micro-batch is sampled completions; drop the flag"),
         "--padding_free": (t.padding_free, "a micro-batch is sampled completions; drop the flag"),
         "--max_tokens_per_batch": (t.max_tokens_per_batch > 0, "drop the flag"),
@@ -69,3 +73,8 @@ def check_online_layout(cfg, method: str) -> None:
     for flag, (given, why) in refused.items():
         if given:
             raise ConfigError(f"{flag}: not available with {method} yet: {why}")
+
+
+def sharded_by_fsdp2(cfg) -> bool:
+    """Whether the flags ask for FSDP2 (whose forwards need every rank in lockstep)."""
+    return bool(cfg.dist.fsdp) or cfg.dist.strategy == "fsdp2"

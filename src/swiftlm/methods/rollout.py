@@ -12,6 +12,7 @@ per-token values sampled by the engine (its log-probs) at the positions the trai
 shifted next-token log-probs have.
 """
 
+import dataclasses
 import zlib
 
 import torch
@@ -23,36 +24,72 @@ from swiftlm.engine.protocol import GenerationRequest, SampleResult, SamplingPar
 from swiftlm.methods.reference import unwrapped
 
 MAX_ENGINE_SEQUENCES = 64  # rows decoded together at most
+LOCKSTEP_SEQUENCES = 4096  # lockstep: every request of a call in one group
+
+
+def _ignoring_eos(request: GenerationRequest) -> GenerationRequest:
+    return dataclasses.replace(request, params=dataclasses.replace(request.params, ignore_eos=True))
 
 
 class PolicySampler:
-    """The continuous-batching engine over the policy, built at the first call."""
+    """The continuous-batching engine over the policy, built at the first call.
 
-    def __init__(self, tokenizer, max_model_len: int):
+    `lockstep` (a policy sharded with FSDP2): every forward gathers weights from all ranks,
+    so every rank must run the same number of forwards. Then all requests are prefilled as
+    one group in one chunk, and every sample decodes all its max_tokens (end-of-turn tokens
+    ignored); each sample is cut after its first stop token afterwards. The tokens up to
+    there are those of a normal run (same seeds); the rest is compute spent for the lockstep.
+    """
+
+    def __init__(self, tokenizer, max_model_len: int, lockstep: bool = False):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.lockstep = lockstep
         self.engine: ContinuousEngine | None = None
 
     def generate(self, model, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
         policy = unwrapped(model)
         was_training = policy.training
         engine = self._engine(policy)
+        if self.lockstep:
+            requests = [_ignoring_eos(request) for request in requests]
         try:
             policy.eval()
-            return engine.generate(requests)
+            results = engine.generate(requests)
         finally:
             policy.train(was_training)
+        if self.lockstep:
+            stops = set(engine.stop_token_ids)
+            results = [[self._cut(sample, stops) for sample in group] for group in results]
+        return results
+
+    def _cut(self, sample: SampleResult, stops: set[int]) -> SampleResult:
+        """The sample up to and with its first stop token (as the engine would have ended it)."""
+        ends = [i for i, token in enumerate(sample.token_ids) if token in stops]
+        if not ends:
+            return sample
+        end = ends[0]
+        return SampleResult(
+            sample.index,
+            sample.token_ids[: end + 1],
+            self.tokenizer.decode(sample.token_ids[:end]),
+            sample.logprobs[: end + 1],
+            "stop",
+        )
 
     def _engine(self, policy) -> ContinuousEngine:
         if self.engine is None or self.engine.model is not policy:
             self.close()
+            lockstep = self.lockstep
             self.engine = ContinuousEngine(
                 policy,
                 self.tokenizer,
                 stop_token_ids=stop_token_ids(self.tokenizer, policy),
-                max_num_seqs=MAX_ENGINE_SEQUENCES,  # the KV cache grows only as rows run
+                # The KV cache grows only as rows run; lockstep admits everything at once.
+                max_num_seqs=LOCKSTEP_SEQUENCES if lockstep else MAX_ENGINE_SEQUENCES,
                 max_model_len=self.max_model_len,
-                prefill_chunk_tokens=4096,
+                prefill_chunk_tokens=LOCKSTEP_SEQUENCES * self.max_model_len if lockstep else 4096,
+                inference_mode=not lockstep,
             )
         return self.engine
 
