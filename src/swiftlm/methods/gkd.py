@@ -32,8 +32,14 @@ from swiftlm.engine.protocol import GenerationRequest
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels
 from swiftlm.losses.distill import generalized_jsd_loss
-from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
-from swiftlm.methods.online import SHARDED, StepContext, check_online_layout
+from swiftlm.methods.base import Batch, EncodeResult, LossOutput
+from swiftlm.methods.online import (
+    SHARDED,
+    PromptBatches,
+    StepContext,
+    check_online_layout,
+    prompt_ids,
+)
 from swiftlm.methods.reference import load_reference, unwrapped
 from swiftlm.methods.rollout import PolicySampler, completion_rows, rollout_seed, sampling_params
 from swiftlm.methods.token import token_pads
@@ -47,7 +53,7 @@ def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
     return random.Random(f"gkd:{seed}:{step}").random() < lmbda
 
 
-class GKD:
+class GKD(PromptBatches):
     name = "gkd"
     columns = ("prompt_ids", "response_ids", "weight")
     supports_packing = False
@@ -93,13 +99,10 @@ class GKD:
         report = TruncationReport(self.data.truncation_strategy, budget)
         encoded, cut = [], 0
         for sample in samples:
-            ids = self._prompt_ids(sample["prompt"])
-            if len(ids) > budget:
-                if self.data.truncation_strategy != "left":
-                    report.counts["deleted"] += 1
-                    continue
-                report.counts["truncated"] += 1
-                ids = ids[-budget:]
+            strategy = self.data.truncation_strategy
+            ids = prompt_ids(self.tokenizer, sample["prompt"], budget, strategy, report)
+            if ids is None:
+                continue
             answer = self._answer_ids(sample["prompt"], sample["response"])
             cut += len(answer) > self.args.max_completion_length
             answer = answer[: self.args.max_completion_length]
@@ -117,12 +120,6 @@ class GKD:
                 f"{self.args.max_completion_length} tokens (raise it to train on whole answers)"
             )
         return EncodeResult(encoded, log)
-
-    def _prompt_ids(self, prompt: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def _answer_ids(self, prompt: list[dict], response: str | None) -> list[int]:
         """The label tokens of the answer turn, as SFT trains them (encode_chat, last turn)."""
@@ -142,18 +139,6 @@ class GKD:
             "system": d.system,
             "needs_answers": self.needs_answers,  # to_sample refuses rows without one
         }
-
-    def length(self, sample: dict) -> int:
-        return len(sample["prompt_ids"]) + self.args.max_completion_length
-
-    @staticmethod
-    def masked(sample: dict) -> dict:
-        return {**sample, "weight": 0.0}
-
-    @staticmethod
-    def collate(layout: Layout) -> Batch:
-        """A prompt micro-batch: the encoded samples themselves (step_batches makes tensors)."""
-        return {"prompts": [row[0] for row in layout.rows]}
 
     def normalizer(self, batch: Batch) -> float:
         """Completion tokens of the real rows (evaluation: of the reference answers)."""

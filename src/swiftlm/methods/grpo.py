@@ -32,12 +32,14 @@ from swiftlm.data.prompts import prompt_sample
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
-from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
+from swiftlm.methods.base import Batch, EncodeResult, LossOutput
 from swiftlm.methods.grpo_steps import GenerationBuffer, Rollouts
 from swiftlm.methods.online import (
     SHARDED,
+    PromptBatches,
     StepContext,
     check_online_layout,
+    prompt_ids,
     sharded_by_fsdp2,
 )
 from swiftlm.methods.reference import Reference
@@ -46,7 +48,7 @@ from swiftlm.methods.rollout import PolicySampler
 from swiftlm.methods.token import token_pads
 
 
-class GRPO:
+class GRPO(PromptBatches):
     name = "grpo"
     columns = ("prompt_ids", "row", "weight")
     supports_packing = False
@@ -82,16 +84,10 @@ class GRPO:
         report = TruncationReport(self.data.truncation_strategy, budget)
         encoded = []
         for sample in samples:
-            ids = self.tokenizer.apply_chat_template(
-                sample["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-            if len(ids) > budget:
-                if self.data.truncation_strategy != "left":
-                    report.counts["deleted"] += 1
-                    continue
-                report.counts["truncated"] += 1
-                ids = ids[-budget:]
+            strategy = self.data.truncation_strategy
+            ids = prompt_ids(self.tokenizer, sample["prompt"], budget, strategy, report)
+            if ids is None:
+                continue
             row = {"prompt": sample["prompt"], "columns": sample["columns"]}
             encoded.append({"prompt_ids": ids, "row": json.dumps(row), "weight": 1.0})
         if not encoded:
@@ -111,18 +107,6 @@ class GRPO:
             "truncation_strategy": d.truncation_strategy,
             "system": d.system,
         }
-
-    def length(self, sample: dict) -> int:
-        return len(sample["prompt_ids"]) + self.args.max_completion_length
-
-    @staticmethod
-    def masked(sample: dict) -> dict:
-        return {**sample, "weight": 0.0}
-
-    @staticmethod
-    def collate(layout: Layout) -> Batch:
-        """A prompt micro-batch: the encoded samples themselves (the rollout makes tensors)."""
-        return {"prompts": [row[0] for row in layout.rows]}
 
     def normalizer(self, batch: Batch) -> float:
         if "prompts" in batch:  # evaluation: prompts

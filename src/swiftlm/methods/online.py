@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
-from swiftlm.methods.base import Batch
+from swiftlm.methods.base import Batch, Layout
 
 # Why the engine cannot sample from a sharded model: it runs the whole local module.
 SHARDED = "the rollout engine needs the whole model on each rank; use data parallel (ddp)"
@@ -78,3 +78,40 @@ def check_online_layout(cfg, method: str, lockstep: bool = False) -> None:
 def sharded_by_fsdp2(cfg) -> bool:
     """Whether the flags ask for FSDP2 (whose forwards need every rank in lockstep)."""
     return bool(cfg.dist.fsdp) or cfg.dist.strategy == "fsdp2"
+
+
+class PromptBatches:
+    """What online methods share about their encoded samples: a prompt (`prompt_ids`) that
+    will get up to --max_completion_length sampled tokens, and a `weight` (0: padding)."""
+
+    args: Any  # the method's GRPOArguments (max_completion_length)
+
+    def length(self, sample: dict) -> int:
+        return len(sample["prompt_ids"]) + self.args.max_completion_length
+
+    @staticmethod
+    def masked(sample: dict) -> dict:
+        return {**sample, "weight": 0.0}
+
+    @staticmethod
+    def collate(layout: Layout) -> Batch:
+        """A prompt micro-batch: the encoded samples themselves (the method samples from them
+        and makes the tensors in `step_batches`)."""
+        return {"prompts": [row[0] for row in layout.rows]}
+
+
+def prompt_ids(tokenizer, prompt: list[dict], budget: int, strategy: str, report) -> list | None:
+    """The prompt's ids (chat template + generation prompt), within `budget` tokens (what
+    --max_length leaves after --max_completion_length): a longer prompt is dropped and counted
+    (None), or with --truncation_strategy left keeps its last `budget` tokens."""
+    ids = tokenizer.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    if len(ids) <= budget:
+        return ids
+    if strategy != "left":
+        report.counts["deleted"] += 1
+        return None
+    report.counts["truncated"] += 1
+    return ids[-budget:]
