@@ -103,13 +103,18 @@ class DPO:
                 for side in SIDES
             ]
             if None not in sides:
-                encoded.append(_pair(*sides))
+                encoded.append(self.pair_sample(sample, *sides))
         if not encoded:
             raise DataError(
                 f"no preference pair fits --max_length {d.max_length} with "
                 f"--truncation_strategy {d.truncation_strategy} ({report}); raise --max_length"
             )
         return EncodeResult(encoded, [report.summary()] if report.summary() else [])
+
+    @staticmethod
+    def pair_sample(sample: dict, chosen: dict, rejected: dict) -> dict:
+        """The encoded pair: both sides' ids and labels, weight 1 (methods add columns)."""
+        return _pair(chosen, rejected)
 
     def cache_options(self) -> dict:
         d = self.data

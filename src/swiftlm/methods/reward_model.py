@@ -24,12 +24,11 @@ import torch
 
 from swiftlm.config import RLHFConfig
 from swiftlm.data.columns import given
-from swiftlm.data.encode import TruncationReport, encode_chat, truncate
 from swiftlm.data.rows import RowError, type_name
-from swiftlm.errors import ConfigError, DataError
+from swiftlm.errors import ConfigError
 from swiftlm.losses.reward import bradley_terry_losses
-from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
-from swiftlm.methods.dpo import DPO, SIDES, unwrapped, weighted_sums
+from swiftlm.methods.base import Batch, Layout, LossOutput
+from swiftlm.methods.dpo import DPO, unwrapped, weighted_sums
 from swiftlm.models.loader import SEQUENCE_CLASSIFICATION
 
 PIPELINE_REFUSAL = (
@@ -57,30 +56,10 @@ class RewardModel(DPO):
         sample = super().to_sample(record)
         return {**sample, "margin": read_margin(record.get("margin"))}
 
-    def encode(self, samples: list[dict]) -> EncodeResult:
-        """Each side's ids (labels: its last answer, which must survive truncation) and the
-        pair's margin; over-long pairs follow --truncation_strategy."""
-        d = self.data
-        report = TruncationReport(d.truncation_strategy, d.max_length)
-        encoded = []
-        for sample in samples:
-            sides = [
-                truncate(
-                    encode_chat(self.tokenizer, sample[side], "last_turn"),
-                    d.max_length,
-                    d.truncation_strategy,
-                    report,
-                )
-                for side in SIDES
-            ]
-            if None not in sides:
-                encoded.append(_pair(*sides, sample["margin"]))
-        if not encoded:
-            raise DataError(
-                f"no preference pair fits --max_length {d.max_length} with "
-                f"--truncation_strategy {d.truncation_strategy} ({report}); raise --max_length"
-            )
-        return EncodeResult(encoded, [report.summary()] if report.summary() else [])
+    @staticmethod
+    def pair_sample(sample: dict, chosen: dict, rejected: dict) -> dict:
+        """DPO's encoded pair plus the row's margin (0 without one)."""
+        return {**DPO.pair_sample(sample, chosen, rejected), "margin": sample["margin"]}
 
     def collate(self, layout: Layout) -> Batch:
         """DPO's 2B rows (chosen first) and `weight` [B], plus `margin` [B]."""
@@ -153,14 +132,3 @@ def read_margin(value) -> float:
     if not math.isfinite(number):
         raise RowError("bad field type", f"`margin` must be a finite number, got {value!r}")
     return float(number)
-
-
-def _pair(chosen: dict, rejected: dict, margin: float) -> dict:
-    return {
-        "chosen_input_ids": chosen["input_ids"],
-        "chosen_labels": chosen["labels"],
-        "rejected_input_ids": rejected["input_ids"],
-        "rejected_labels": rejected["labels"],
-        "weight": 1.0,
-        "margin": margin,
-    }
