@@ -1,7 +1,8 @@
 """Training methods, one module each. A new method is a module here and one line below.
 
-`METHODS` maps a method name (the subcommand, later `--rlhf_type`) to its class; the class
-is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`.
+`METHODS` maps a method name (the subcommand, or `swiftlm rlhf --rlhf_type`) to its class; the
+class is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method` (an
+online method, which samples its own training data each step, also `methods.online`).
 """
 
 from swiftlm.methods.dpo import DPO
