@@ -342,14 +342,16 @@ def dpo_commands(model: str, data: Path, steps: int, dtype: str) -> dict:
     }
 
 
-def grpo_commands(model: str, data: dict[str, Path], steps: int, dtype: str) -> dict:
-    sampling = ["--num_generations", str(GRPO_GENERATIONS),
+def grpo_commands(
+    model: str, data: dict[str, Path], steps: int, dtype: str, batch: int, generations: int
+) -> dict:
+    sampling = ["--num_generations", str(generations),
                 "--max_completion_length", str(GRPO_COMPLETION),
                 "--temperature", str(GRPO_TEMPERATURE), "--beta", str(GRPO_BETA)]  # fmt: skip
     swiftlm = ["--rlhf_type", "grpo", "--dataset", str(data["swiftlm"]), "--reward_funcs",
                "accuracy", "--loss_type", "grpo", "--per_device_train_batch_size",
-               str(GRPO_BATCH), *sampling]  # fmt: skip
-    trl = ["--dataset", str(data["trl"]), "--batch_size", str(GRPO_BATCH), *sampling]
+               str(batch), *sampling]  # fmt: skip
+    trl = ["--dataset", str(data["trl"]), "--batch_size", str(batch), *sampling]
     return {
         "swiftlm": lambda out: swiftlm_common(model, steps, dtype, out) + swiftlm,
         "trl": lambda out: trl_common("grpo", model, steps, dtype, out) + trl,
@@ -476,6 +478,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="rounds (swiftlm, TRL) per part")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
+    parser.add_argument("--grpo_batch", type=int, default=GRPO_BATCH, help="completions per step")
+    parser.add_argument("--grpo_generations", type=int, default=GRPO_GENERATIONS)
     return parser.parse_args()
 
 
@@ -503,14 +507,17 @@ def main() -> int:
         setting = f"batch {DPO_BATCH} pairs, max_length {DPO_MAX_LENGTH}, beta {BETA}, sigmoid"
         tables.append(speed_table("DPO", raw["dpo"], f"{note}; {setting}"))
     if args.only in ("grpo", "all"):
-        commands = grpo_commands(model, grpo_data(root), args.steps, args.dtype)
+        commands = grpo_commands(
+            model, grpo_data(root), args.steps, args.dtype, args.grpo_batch, args.grpo_generations
+        )
         missing = swiftlm_has_grpo()
         if missing:
             print(f"[grpo] swiftlm: NOT RUN: {missing}; timing TRL alone", flush=True)
             commands.pop("swiftlm")
         raw["grpo"] = run_part("grpo", commands, args, root)
-        setting = (f"batch {GRPO_BATCH} completions = {GRPO_BATCH // GRPO_GENERATIONS} prompts x "
-                   f"{GRPO_GENERATIONS}, max_completion_length {GRPO_COMPLETION}, temperature "
+        batch, generations = args.grpo_batch, args.grpo_generations
+        setting = (f"batch {batch} completions = {batch // generations} prompts x "
+                   f"{generations}, max_completion_length {GRPO_COMPLETION}, temperature "
                    f"{GRPO_TEMPERATURE}, beta {GRPO_BETA}, no vLLM")  # fmt: skip
         table = speed_table("GRPO", raw["grpo"], f"{note}; {setting}")
         if missing:
