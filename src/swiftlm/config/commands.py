@@ -12,6 +12,7 @@ from swiftlm.config.sections import (
     TunerArguments,
 )
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
+from swiftlm.config.sections_monitor import MonitorArguments
 from swiftlm.config.sections_online import GKDArguments, GRPOArguments, settle_online
 from swiftlm.config.sections_rlhf import RLHFArguments
 from swiftlm.config.sections_serve import DeployArguments
@@ -28,6 +29,7 @@ class TrainConfig:
     train: TrainArguments = field(default_factory=TrainArguments)
     output: OutputArguments = field(default_factory=OutputArguments)
     dist: DistArguments = field(default_factory=DistArguments)
+    monitor: MonitorArguments = field(default_factory=MonitorArguments)
 
 
 @dataclass

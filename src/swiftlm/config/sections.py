@@ -19,8 +19,10 @@ AUTO_BATCH_SIZE = 0
 # What `--fsdp` accepts (ms-swift's spellings of FSDP2's full sharding).
 FSDP_SPELLINGS = ("fsdp2", "full_shard", "shard")
 # `--report_to` values: the loggers swiftlm writes besides metrics.jsonl.
-LOGGERS = ("tensorboard", "wandb")
-LOGGER_CHOICES = "the loggers are tensorboard and wandb (one or both), or none alone for neither"
+LOGGERS = ("tensorboard", "wandb", "swanlab")
+LOGGER_CHOICES = (
+    "the loggers are tensorboard, wandb and swanlab (any of them), or none alone for none"
+)
 
 
 def _known_loggers(names: list[str]) -> bool:
@@ -230,8 +232,8 @@ class OutputArguments:
         default=None,
     )
     report_to: list[str] = doc(
-        "Loggers besides metrics.jsonl: tensorboard, wandb (the wandb extra; WANDB_MODE=offline "
-        "keeps it local), or none.",
+        "Loggers besides metrics.jsonl: tensorboard, wandb, swanlab (the wandb/swanlab extras; "
+        "WANDB_MODE=offline / SWANLAB_MODE=offline keep them local), several at once, or none.",
         default_factory=lambda: ["tensorboard"],
     )
 
