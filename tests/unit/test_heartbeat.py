@@ -1,5 +1,5 @@
-"""The heartbeat watchdog's timing and blame logic on a fake clock: no processes, no threads
-(except one test that checks the real thread ends the process).
+"""The heartbeat watchdog's timing, blame logic and stack dumps on a fake clock: no processes,
+no threads (except one test that checks the real thread ends a single process).
 
 `Ranks` builds one `Heartbeat` per rank sharing a tmp run directory, as the processes of a job
 share one; `tick()` is what each rank's watchdog thread does every second.
@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from swiftlm.distributed import heartbeat as hb
+from swiftlm.distributed.env import DistContext
 
 TIMEOUT = 8.0
 
@@ -220,7 +221,8 @@ def test_locate_thread_finds_a_blocked_threads_frame():
     assert hb.locate_thread(None) == ("unknown", "running")
 
 
-def test_the_watchdog_thread_really_stops_the_process(tmp_path):
+def test_the_watchdog_thread_really_stops_a_single_process_and_dumps_its_stacks(tmp_path):
+    """A plain `swiftlm sft`: the real DistContext of one process, no process group."""
     exited, codes = threading.Event(), []
 
     def fake_exit(code):
@@ -228,14 +230,80 @@ def test_the_watchdog_thread_really_stops_the_process(tmp_path):
         exited.set()
 
     h = hb.Heartbeat(
-        FakeContext(0, 1), 0.3, tmp_path, interval_s=0.05, exit_fn=fake_exit, report=codes.append
+        DistContext(), 0.3, tmp_path, interval_s=0.05, exit_fn=fake_exit, report=codes.append
     )
-    h.start()  # and no beat after it: the loop is stuck
+    h.start()  # and no beat after it: the loop (this test's thread) is stuck
     try:
         assert exited.wait(timeout=5)
     finally:
         h.stop()
-    assert "rank 0 made no progress" in codes[0] and codes[1] == hb.HEARTBEAT_EXIT_CODE
+    message, code = codes
+    assert code == hb.HEARTBEAT_EXIT_CODE
+    assert message.startswith("swiftlm: no training progress for ")
+    assert "(last: step 0, phase setup; main thread now at " in message and " in wait)" in message
+    stacks = tmp_path / "hang" / "rank-0-stacks.txt"
+    assert f"Python stacks of every thread: {stacks}" in message
+    text = stacks.read_text()
+    # The stuck loop first, named, down to the line that waits; then faulthandler's view.
+    loop = text.index(" - the training loop, most recent call last:")
+    assert text.index("in test_the_watchdog_thread_really_stops_a_single_process", loop) > loop
+    assert 'Thread "swiftlm-heartbeat"' in text and "this watchdog" in text
+    assert "--- faulthandler: the same threads" in text and "most recent call first" in text
+
+
+def test_one_process_names_the_step_phase_place_and_stacks_file(tmp_path):
+    clock, codes, messages = FakeClock(), [], []
+    h = hb.Heartbeat(
+        DistContext(), TIMEOUT, tmp_path, clock=clock, wall=clock, exit_fn=codes.append,
+        report=messages.append,
+    )  # fmt: skip
+    h.token, h._main_ident = "run-1", threading.get_ident()  # what start() sets
+    h.beat(2, "forward/backward")
+    clock.now += TIMEOUT
+    assert h.tick() is None and codes == []
+    clock.now += 1
+    message = h.tick()
+    assert codes == [hb.HEARTBEAT_EXIT_CODE] and messages == [message]
+    assert message.startswith(
+        "swiftlm: no training progress for 9.0 s (last: step 2, phase forward/backward; "
+        "main thread now at "
+    )
+    # This test's thread is the "loop" and runs tick() itself: its innermost frame is there.
+    assert "heartbeat.py:" in message and "rank" not in message.split("Python stacks")[0]
+    assert "raise --heartbeat_timeout (0 disables the watchdog)" in message
+    stacks = tmp_path / "hang" / "rank-0-stacks.txt"
+    assert message.endswith(f"Python stacks of every thread: {stacks}\n")
+    header = stacks.read_text().splitlines()[0]
+    assert header.startswith("swiftlm watchdog of rank 0 (pid ")
+    assert "no progress for 9.0 s (last: step 2, phase forward/backward; main thread at " in header
+
+
+def test_every_rank_dumps_its_own_stacks_and_names_the_stuck_ranks_file(ranks, tmp_path):
+    ranks.beat(3, "forward/backward")
+    ranks.beat(3, "optimizer step", ranks=(0,))  # rank 1 hangs in forward
+    found = ranks.advance(TIMEOUT + 1)
+    hang = tmp_path / "hang"
+    assert sorted(p.name for p in hang.iterdir()) == ["rank-0-stacks.txt", "rank-1-stacks.txt"]
+    assert found[0].endswith(
+        f"Python stacks of every thread: rank 1's in {hang / 'rank-1-stacks.txt'} (written by "
+        f"its own watchdog, if the process is alive), rank 0's in {hang / 'rank-0-stacks.txt'}.\n"
+    )
+    assert found[1].endswith(f"rank 1's in {hang / 'rank-1-stacks.txt'}.\n")
+
+
+def test_stacks_that_cannot_be_written_go_to_stderr_and_the_process_still_stops(tmp_path, capfd):
+    (tmp_path / "hang").write_text("")  # hang/ cannot be created: a file is in the way
+    clock, codes, messages = FakeClock(), [], []
+    h = hb.Heartbeat(
+        DistContext(), TIMEOUT, tmp_path, clock=clock, wall=clock, exit_fn=codes.append,
+        report=messages.append,
+    )  # fmt: skip
+    clock.now += TIMEOUT + 1
+    h.tick()
+    assert codes == [hb.HEARTBEAT_EXIT_CODE]
+    assert messages[0].startswith("swiftlm: cannot write the stacks to ")
+    assert "Python stacks of every thread: they could not be written (see above)" in messages[1]
+    assert "most recent call first" in capfd.readouterr().err
 
 
 def _located(record_fn, where, activity):
