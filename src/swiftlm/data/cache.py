@@ -26,7 +26,8 @@ from swiftlm.data.sources import BUILTIN_DATASETS, builtin_dataset_path, parse_d
 
 # Bump when the encoding itself or the entry layout changes, so old entries are unused.
 # 5: tool calls render through the template's tools; samples without label tokens are dropped.
-ENCODING_VERSION = 5
+# 6: an entry keeps the encoding's stats (truncation counts) for the data-health summary.
+ENCODING_VERSION = 6
 # The stored token length of each sample (batch planning reads it without decoding rows).
 LENGTH_COLUMN = "length"
 
@@ -182,16 +183,30 @@ def _read_entry(folder: Path, columns: tuple[str, ...]) -> tuple[dict, dict]:
 
 def load_or_encode(
     folder: Path,
-    encode: Callable[[], tuple[dict[str, list[dict]], list[str]]],
+    encode: Callable[[], tuple],
     log: Callable[[str], None],
     *,
     columns: Sequence[str],
     length: Callable[[dict], int],
 ) -> dict[str, ArrowSamples]:
-    """The encoded splits from `folder`, or from `encode()` (then saved to `folder`).
+    """The encoded splits of `load_or_encode_with_stats`, without the stats."""
+    return load_or_encode_with_stats(folder, encode, log, columns=columns, length=length)[0]
 
-    `encode` returns ({split name: encoded samples}, log lines); the lines are stored and
-    printed again on a cache hit, so a cached run reports the same truncation and skipped
+
+def load_or_encode_with_stats(
+    folder: Path,
+    encode: Callable[[], tuple],
+    log: Callable[[str], None],
+    *,
+    columns: Sequence[str],
+    length: Callable[[dict], int],
+) -> tuple[dict[str, ArrowSamples], dict]:
+    """(The encoded splits, the encoding's stats) from `folder`, or from `encode()` (then
+    saved to `folder`).
+
+    `encode` returns ({split name: encoded samples}, log lines) or those and a JSON-able
+    stats dict (e.g. truncation counts per split). Lines and stats are stored with the entry
+    and given again on a cache hit, so a cached run reports the same truncation and skipped
     rows. Every encoded sample holds `columns` (other keys are not stored); `length(sample)`
     is stored per sample for batch planning (see sample_lengths). Column types are inferred
     (ints, floats, strings, lists, nested lists ...), with integers inside lists as int32.
@@ -215,9 +230,10 @@ def load_or_encode(
                 f"tokenized data loaded from cache in {time.perf_counter() - started:.2f} s "
                 f"(encoding took {meta['encode_seconds']:.2f} s): {folder}"
             )
-            return splits
+            return splits, meta.get("stats", {})
     started = time.perf_counter()
-    splits, lines = encode()
+    splits, lines, *rest = encode()
+    stats = rest[0] if rest else {}
     for line in lines:
         log(line)
     seconds = time.perf_counter() - started
@@ -225,12 +241,13 @@ def load_or_encode(
         "splits": list(splits),
         "columns": list(columns),
         "log": lines,
+        "stats": stats,
         "encode_seconds": seconds,
     }
     folder.parent.mkdir(parents=True, exist_ok=True)
     _write_entry(folder, splits, meta, length)
     log(f"tokenized data in {seconds:.2f} s, cached at {folder}")
-    return _read_entry(folder, columns)[0]
+    return _read_entry(folder, columns)[0], stats
 
 
 def sample_lengths(samples: Sequence[dict], length: Callable[[dict], int]) -> list[int]:

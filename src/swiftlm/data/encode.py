@@ -48,6 +48,20 @@ class TruncationReport:
     def __str__(self) -> str:
         return ", ".join(f"{n} {what}" for what, n in sorted(self.counts.items()))
 
+    def as_dict(self) -> dict:
+        """The counts as plain JSON values: kept with the tokenized-data cache so a cached run
+        reports the same numbers (data health), and zeros included so a clean run says so."""
+        c = self.counts
+        left = c["dropped (no label tokens left)"]
+        return {
+            "max_length": self.max_length,
+            "strategy": self.strategy,
+            "truncated": c["truncated"],
+            "deleted": c["deleted"],
+            "dropped": c["dropped (no label tokens)"] + left,
+            "dropped_after_truncation": left,
+        }
+
 
 def _text_messages(messages: list[dict]) -> list[dict]:
     """Messages with string contents only (text parts flattened); images are refused."""

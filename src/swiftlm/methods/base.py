@@ -47,6 +47,8 @@ class EncodeResult:
 
     samples: list[dict]
     log: list[str] = field(default_factory=list)
+    # TruncationReport.as_dict(): the counts behind the log line, for the data-health summary
+    truncation: dict = field(default_factory=dict)
 
 
 class Method(Protocol):

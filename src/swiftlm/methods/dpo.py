@@ -109,7 +109,9 @@ class DPO:
                 f"no preference pair fits --max_length {d.max_length} with "
                 f"--truncation_strategy {d.truncation_strategy} ({report}); raise --max_length"
             )
-        return EncodeResult(encoded, [report.summary()] if report.summary() else [])
+        return EncodeResult(
+            encoded, [report.summary()] if report.summary() else [], report.as_dict()
+        )
 
     @staticmethod
     def pair_sample(sample: dict, chosen: dict, rejected: dict) -> dict:

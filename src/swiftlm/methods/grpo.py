@@ -96,7 +96,9 @@ class GRPO(PromptBatches):
                 f"--max_completion_length {self.args.max_completion_length} ({report}); raise "
                 "--max_length or lower --max_completion_length"
             )
-        return EncodeResult(encoded, [report.summary()] if report.summary() else [])
+        return EncodeResult(
+            encoded, [report.summary()] if report.summary() else [], report.as_dict()
+        )
 
     def cache_options(self) -> dict:
         d = self.data

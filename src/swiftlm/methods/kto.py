@@ -98,7 +98,8 @@ class KTO:
             )
         desirable = sum(s["desirable"] for s in encoded)
         log = [f"kto: {desirable} desirable and {len(encoded) - desirable} undesirable answers"]
-        return EncodeResult(encoded, log + ([report.summary()] if report.summary() else []))
+        log += [report.summary()] if report.summary() else []
+        return EncodeResult(encoded, log, report.as_dict())
 
     def cache_options(self) -> dict:
         d = self.data

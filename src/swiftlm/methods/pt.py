@@ -28,7 +28,9 @@ class PT(NextTokenObjective):
         chunks, dropped = encode_pretraining(self.tokenizer, texts, self.max_length)
         # Only the last chunk can be one token long: dropped <= 1.
         note = "pt: dropped the last chunk, a single token (nothing to predict)"
-        return EncodeResult(chunks, [note] if dropped else [])
+        # Documents are cut into chunks, never truncated: only a one-token chunk can be dropped.
+        counts = {"max_length": self.max_length, "strategy": "chunks", "dropped": dropped}
+        return EncodeResult(chunks, [note] if dropped else [], counts)
 
     def cache_options(self) -> dict:
         return {"method": self.name, "max_length": self.max_length}

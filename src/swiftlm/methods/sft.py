@@ -36,7 +36,8 @@ class SFT(NextTokenObjective):
         encoded, truncation = encode_chat_samples(
             self.tokenizer, samples, d.max_length, d.truncation_strategy, d.loss_scope
         )
-        return EncodeResult(encoded, [truncation.summary()] if truncation.summary() else [])
+        log = [truncation.summary()] if truncation.summary() else []
+        return EncodeResult(encoded, log, truncation.as_dict())
 
     def cache_options(self) -> dict:
         d = self.data

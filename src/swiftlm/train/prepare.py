@@ -5,13 +5,26 @@ from pathlib import Path
 import torch
 
 from swiftlm.config import TrainConfig
-from swiftlm.data.cache import cache_key, data_cache_root, load_or_encode
+from swiftlm.data.cache import (
+    cache_key,
+    data_cache_root,
+    load_or_encode_with_stats,
+    sample_lengths,
+)
 from swiftlm.data.loading import load_samples, split_samples
 from swiftlm.methods.base import Method
 from swiftlm.models.attention import training_attention
 from swiftlm.models.loader import CAUSAL_LM, load_model
 from swiftlm.models.quant import bnb_config, prepare_for_quantized_training
-from swiftlm.train.batching import build_batch_plan
+from swiftlm.monitor.data_health import (
+    LayoutFacts,
+    SplitFacts,
+    count_labels,
+    format_data_health,
+    summarize_data,
+    write_data_health,
+)
+from swiftlm.train.batching import BatchPlan, build_batch_plan
 from swiftlm.tuners.setup import apply_tuner
 
 
@@ -49,35 +62,38 @@ def _data_cache_folder(cfg: TrainConfig, method: Method, tokenizer) -> Path:
 
 
 def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple:
-    """Encoded (train, validation) samples, from the Arrow cache when an earlier run made them.
+    """Encoded (train, validation) samples, from the Arrow cache when an earlier run made them,
+    and their truncation counts ({"train": ..., "val": ...}; cached with the samples).
 
     Rank 0 encodes and writes the cache; the other ranks wait, then read it.
     """
 
-    def encode() -> tuple[dict, list[str]]:
+    def encode() -> tuple[dict, list[str], dict]:
         lines: list[str] = []
-        splits = {}
+        splits, truncation = {}, {}
         for name, samples in zip(
             ("train", "val"), load_splits(cfg, method, lines.append), strict=True
         ):
             result = method.encode(samples) if samples else None
             splits[name] = result.samples if result else []
             lines += result.log if result else []
-        return splits, lines
+            truncation[name] = getattr(result, "truncation", {}) if result else {}
+        return splits, lines, {"truncation": truncation}
 
     if not cfg.data.load_from_cache_file:
-        splits, lines = encode()
+        splits, lines, stats = encode()
         for line in lines:
             log(line)
     else:
         folder = _data_cache_folder(cfg, method, tokenizer)
         cached = dict(columns=method.columns, length=method.length)
-        splits = load_or_encode(folder, encode, log, **cached) if ctx.is_main else None
+        if ctx.is_main:
+            splits, stats = load_or_encode_with_stats(folder, encode, log, **cached)
         ctx.broadcast_object(None)  # the other ranks wait for rank 0's entry, then read it
         if not ctx.is_main:
-            splits = load_or_encode(folder, encode, log, **cached)
+            splits, stats = load_or_encode_with_stats(folder, encode, log, **cached)
     # Evaluation slices its samples: a plain list (validation sets are small).
-    return splits["train"], list(splits["val"])
+    return splits["train"], list(splits["val"]), stats.get("truncation", {})
 
 
 def prepare_model(
@@ -125,3 +141,50 @@ def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int, per_samp
         max_tokens=t.max_tokens_per_batch,
         padding_free=t.padding_free,
     )
+
+
+def _layout_facts(plan: BatchPlan, pack_to: int) -> LayoutFacts:
+    """The first epoch's micro-batches as row lengths (later epochs differ only in order, or
+    by a micro-batch or two with a token budget)."""
+    kind = [
+        name
+        for name, on in (
+            ("packed", plan.packs is not None),
+            ("padding-free", plan.padding_free),
+            ("token budget", plan.max_tokens > 0),
+        )
+        if on
+    ]
+    batches = [
+        [plan.row_length(row) for row in batch]
+        for global_batch in plan.epoch_batches(0)
+        for batch in global_batch
+    ]
+    capacity = pack_to if plan.packs is not None else 0
+    return LayoutFacts(" + ".join(kind) or "fixed size", batches, plan.padding_free, capacity)
+
+
+def report_data_health(
+    cfg: TrainConfig, method: Method, data: tuple, plan: BatchPlan, run_dir: Path, ctx, log
+) -> None:
+    """Log the data-health summary and keep it as <run>/data_health.json (rank 0 only).
+
+    `data`: (train samples, validation samples, truncation counts per split), as
+    prepare_data returns them.
+    """
+    if not ctx.is_main:
+        return
+    train, val, truncation = data
+
+    def facts(samples, lengths, name) -> SplitFacts:
+        labels = count_labels(samples, method.columns)
+        return SplitFacts(lengths, labels, truncation.get(name, {}))
+
+    val_lengths = sample_lengths(val, method.length) if len(val) else []
+    summary = summarize_data(
+        facts(train, plan.lengths, "train"),
+        facts(val, val_lengths, "val") if len(val) else None,
+        _layout_facts(plan, cfg.data.max_length),
+    )
+    log(format_data_health(summary))
+    write_data_health(summary, run_dir)
