@@ -81,7 +81,7 @@ class WebSocket:
 class Browser:
     """Chromium, headless, on `url`; `eval` runs JavaScript in the page (awaiting promises)."""
 
-    def __init__(self, url: str, profile_dir, width: int = 900, height: int = 700):
+    def __init__(self, url: str, profile_dir, width: int = 900, height: int = 700, extra_args=()):
         self.port = free_port()
         self.process = subprocess.Popen(
             [
@@ -93,12 +93,14 @@ class Browser:
                 f"--remote-debugging-port={self.port}",
                 f"--user-data-dir={profile_dir}",
                 f"--window-size={width},{height}",
+                *extra_args,
                 url,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         self.next_id = 0
+        self.events: list[dict] = []  # DevTools events seen while waiting for answers
 
     def __enter__(self) -> "Browser":
         deadline = time.monotonic() + 30
@@ -128,6 +130,8 @@ class Browser:
             if message.get("id") == self.next_id:
                 assert "error" not in message, message
                 return message["result"]
+            if "method" in message:
+                self.events.append(message)
 
     def eval(self, expression: str):
         result = self.call(
@@ -142,6 +146,10 @@ class Browser:
         while not self.eval(f"!!({expression})"):
             assert time.monotonic() < deadline, f"timed out waiting for {expression}"
             time.sleep(0.1)
+
+    def events_of(self, method: str) -> list[dict]:
+        """The params of the events `method` seen so far (enable its domain first)."""
+        return [e["params"] for e in self.events if e["method"] == method]
 
     def screenshot(self, path) -> None:
         data = self.call("Page.captureScreenshot", format="png")["data"]

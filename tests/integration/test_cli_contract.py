@@ -105,7 +105,7 @@ def test_a_yaml_key_given_twice_is_an_error(tmp_path, capsys):
 )
 def test_an_unknown_logger_is_an_error(capsys):
     err = error_of(capsys, ["sft", "--report_to", "wandb", "foo"])
-    assert "--report_to wandb foo: the loggers are tensorboard and wandb" in err
+    assert "--report_to wandb foo: the loggers are tensorboard, wandb and swanlab" in err
     err = error_of(capsys, ["sft", "--report_to", "none", "tensorboard"])
     assert "--report_to none tensorboard" in err
     assert parse(["--report_to", "none"]).output.report_to == ["none"]
@@ -181,9 +181,10 @@ def test_help_lists_only_the_flags_a_command_uses(command, capsys, tmp_path):
 
 
 def test_unused_flags_tables_name_real_flags():
-    from swiftlm.config import DeployConfig, ExportConfig, InferConfig, RLHFConfig
+    from swiftlm.config import DeployConfig, ExportConfig, InferConfig, ReportConfig, RLHFConfig
 
     configs = {
+        "report": ReportConfig,
         "sft": TrainConfig,
         "pt": TrainConfig,
         "rlhf": RLHFConfig,

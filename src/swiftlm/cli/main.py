@@ -37,6 +37,11 @@ COMMANDS = {
         "swiftlm.serve.run",
         "Serve a model and its adapters over an OpenAI-compatible HTTP API.",
     ),
+    "report": (
+        "ReportConfig",
+        "swiftlm.monitor.report",
+        "Draw run directories as one offline report.html (several overlay); --serve: live.",
+    ),
 }
 
 
@@ -65,6 +70,18 @@ def with_default_recipe(name: str, argv: list[str]) -> list[str]:
     recipe = str(files("swiftlm") / "assets" / "default_sft.yaml")
     print(f"No --model or --dataset: running the built-in default job ({recipe})", flush=True)
     return [recipe, *argv]
+
+
+def with_run_dirs(name: str, argv: list[str]) -> list[str]:
+    """`swiftlm report A B --flag` -> `--run_dirs A B --flag`: run directories are positional."""
+    if name != "report":
+        return argv
+    head = argv[:1] if argv and argv[0].endswith((".yaml", ".yml")) else []
+    rest = argv[len(head) :]
+    count = next((i for i, arg in enumerate(rest) if arg.startswith("-")), len(rest))
+    if count == 0:
+        return argv
+    return [*head, "--run_dirs", *rest[:count], *rest[count:]]
 
 
 def quiet_libraries() -> None:
@@ -107,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         import swiftlm.config as config_module
         from swiftlm.config.parse import parse_config
 
-        argv = with_default_recipe(name, rest)
+        argv = with_run_dirs(name, with_default_recipe(name, rest))
         config_cls = getattr(config_module, config_name)
         unused = config_module.UNUSED_FLAGS[name]
         cfg = parse_config(config_cls, argv, f"swiftlm {name}", description, unused)

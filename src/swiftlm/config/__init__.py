@@ -14,6 +14,7 @@ from swiftlm.config.commands import (
     DeployConfig,
     ExportConfig,
     InferConfig,
+    ReportConfig,
     RLHFConfig,
     TrainConfig,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "GenerationArguments",
     "InferArguments",
     "InferConfig",
+    "ReportConfig",
     "ModelArguments",
     "OutputArguments",
     "QuantArguments",

@@ -14,6 +14,7 @@ from swiftlm.config.sections import (
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
 from swiftlm.config.sections_monitor import MonitorArguments
 from swiftlm.config.sections_online import GKDArguments, GRPOArguments, settle_online
+from swiftlm.config.sections_report import ReportArguments
 from swiftlm.config.sections_rlhf import RLHFArguments
 from swiftlm.config.sections_serve import DeployArguments
 
@@ -129,4 +130,12 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "task",  # a reward model is served for scoring (/v1/score), found from its files
         }
     ),
+    "report": frozenset(),  # its own section only
 }
+
+
+@dataclass
+class ReportConfig:
+    """`swiftlm report`: run directories to draw as one offline page, optionally served live."""
+
+    report: ReportArguments = field(default_factory=ReportArguments)
