@@ -149,7 +149,7 @@ def test_a_hung_rank_stops_every_rank_after_the_heartbeat_timeout(
     assert stopped_after < HEARTBEAT_TIMEOUT + 30, output[-3000:]
     assert hung.ended - hung.started < HANG_S  # the launch did not simply wait the hang out
     assert "swiftlm: rank 1 made no progress" in output, output[-3000:]
-    assert "step 3, phase forward/backward" in output
+    assert "step 3, phase forward" in output
     assert "swiftlm: rank 0 made no progress" not in output  # the waiting rank is not blamed
     # The first worker to fail ended itself with the watchdog's code; torchrun then stops the
     # other one, if its own watchdog has not already. The launcher exits with the first code

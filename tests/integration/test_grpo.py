@@ -117,6 +117,9 @@ def test_a_run_logs_rewards_and_writes_completions(tiny_model_dir, prompts, shor
         assert key in first, key
     assert first["kl"] == 0  # the adapter starts as the identity: policy == reference
     assert first["logprob_mismatch"] < 1e-3
+    # The step-time breakdown separates sampling and scoring from the training forward.
+    assert first["time/generation_s"] > 0 and first["time/reward_s"] > 0
+    assert sum(v for k, v in first.items() if k.startswith("share/")) == pytest.approx(1, abs=1e-3)
     lengths = logged(out, "completions/mean_length")
     assert sum(lengths[-3:]) / 3 < sum(lengths[:3]) / 3  # the "short" reward is learned
     completions = [

@@ -45,6 +45,11 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.bad_input(
+    input="A training run of one process that hangs (no step within `--heartbeat_timeout`)",
+    outcome="Exit 75 within the timeout + 30 s, naming the step, phase and the line the main "
+    "thread is at; every thread's Python stack in <run>/hang/rank-0-stacks.txt",
+)
 def test_a_hung_single_process_run_dumps_its_stacks_and_exits(tiny_model_dir, chat_jsonl, tmp_path):
     script = tmp_path / "hang_script.py"
     script.write_text(HANG_SCRIPT)
@@ -78,8 +83,7 @@ def test_a_hung_single_process_run_dumps_its_stacks_and_exits(tiny_model_dir, ch
     assert ended - started < HANG_S  # stopped by the watchdog, not by the end of the sleep
     stacks = run_dir / "hang" / "rank-0-stacks.txt"
     assert "swiftlm: no training progress for " in output, output[-3000:]
-    # The loss runs in the forward phase (called "forward/backward" by older loops).
-    assert re.search(r"\(last: step 2, phase forward[/a-z]*; main thread now at ", output), output
+    assert "(last: step 2, phase forward; main thread now at " in output, output
     assert "hang_script.py:" in output and " in hanging_loss)" in output
     assert f"Python stacks of every thread: {stacks}" in output
     assert "raise --heartbeat_timeout (0 disables the watchdog)" in output

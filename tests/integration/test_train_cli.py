@@ -400,5 +400,5 @@ def test_nonfinite_loss_policy(tiny_model_dir, chat_jsonl, tmp_path, monkeypatch
     assert (
         sft(tiny_model_dir, chat_jsonl, tmp_path / "skip", *common, "--nonfinite_loss", "skip") == 0
     )
-    assert "step 2: non-finite loss/gradient, step skipped" in capsys.readouterr().out
+    assert "step 2: loss nan; non-finite on rank 0" in capsys.readouterr().out
     assert (tmp_path / "skip" / "final" / "adapter_model.safetensors").is_file()

@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from swiftlm.config.sections import DistArguments
+from swiftlm.distributed.comm_timing import CommTimer, timed
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 # Top-k sends each kept entry as an fp16 value and an int16 position inside its block of
@@ -65,6 +66,7 @@ class CommStats:
     total_sent: int = 0  # whole run, for the summary line
     total_dense: int = 0
     total_steps: int = 0
+    timer: CommTimer = field(default_factory=CommTimer)  # when each bucket's collective ran
 
     def add(self, sent: int, dense: int, ends_step: bool) -> None:
         """Count one bucket; `ends_step` marks the step's last bucket (DDP's `is_last`)."""
@@ -281,7 +283,8 @@ def register_compression(
     """Register the communication hook that --grad_compression names; return its byte counter.
 
     Must run before the first forward. `none` also registers a (counting) hook, in place of
-    DDP's built-in C++ all-reduce, so that every run can report its bytes.
+    DDP's built-in C++ all-reduce, so that every run can report its bytes. Every hook is
+    timed (`comm_timing.timed`): busy time, exposed time and bus bandwidth in the log.
     """
     method = args.grad_compression
     stats = CommStats(method)
@@ -298,5 +301,5 @@ def register_compression(
     else:
         hooks = {"none": allreduce_hook, "fp16": fp16_hook, "bf16": bf16_cast_hook}
         state, hook = common, hooks[method]
-    ddp_model.register_comm_hook(state, hook)
+    ddp_model.register_comm_hook(state, timed(hook, stats.timer))
     return stats

@@ -17,6 +17,7 @@ from swiftlm.checkpoint import replicated, sharded
 from swiftlm.checkpoint.folders import save_pretrained_atomically
 from swiftlm.config.sections import DistArguments
 from swiftlm.distributed import gradients
+from swiftlm.distributed.comm_timing import CommTimer, probe_bus_bandwidth
 from swiftlm.distributed.compression import CommStats
 from swiftlm.distributed.ddp import compress_gradients
 from swiftlm.distributed.env import DistContext
@@ -67,6 +68,17 @@ class SPMDStrategy:
 
     def clip_and_step(self, model, optimizer, max_norm: float, scaler) -> float:
         return gradients.clip_then_step(model.parameters(), optimizer, max_norm, scaler)
+
+    @property
+    def comm_timer(self) -> CommTimer | None:
+        """Times DDP's gradient buckets (None: no DDP hook, e.g. one process or FSDP2)."""
+        return self.comm_stats.timer if self.comm_stats else None
+
+    def probe_link(self, model) -> float | None:
+        """The gradient all-reduce's practical peak bus bandwidth (bytes/s), measured now."""
+        if self.comm_stats is None:
+            return None
+        return probe_bus_bandwidth(model.process_group, self.device)
 
     def step_metrics(self) -> dict:
         """Gradient bytes this rank sent per optimizer step since the last call (DDP)."""

@@ -119,7 +119,7 @@ class GKD(PromptBatches):
                 f"gkd: {cut} reference answers cut to --max_completion_length "
                 f"{self.args.max_completion_length} tokens (raise it to train on whole answers)"
             )
-        return EncodeResult(encoded, log)
+        return EncodeResult(encoded, log, {**report.as_dict(), "answers_cut": cut})
 
     def _answer_ids(self, prompt: list[dict], response: str | None) -> list[int]:
         """The label tokens of the answer turn, as SFT trains them (encode_chat, last turn)."""
@@ -165,9 +165,13 @@ class GKD(PromptBatches):
         on_policy = on_policy_step(self.cfg.train.seed, context.step, self.gkd.lmbda)
         prompts = [p for batch in prompt_batches for p in batch["prompts"]]
         if on_policy:
-            completions = self._sample(self.sampler, model, prompts, context.step)
+            with context.phase("generation"):
+                completions = self._sample(self.sampler, model, prompts, context.step)
         elif self.gkd.seq_kd:
-            completions = self._sample(self.teacher_sampler, self.teacher, prompts, context.step)
+            with context.phase("generation"):
+                completions = self._sample(
+                    self.teacher_sampler, self.teacher, prompts, context.step
+                )
         else:
             completions = [list(p["response_ids"]) for p in prompts]
         self._log_step(context, on_policy, prompts, completions)

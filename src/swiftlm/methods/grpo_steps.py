@@ -12,6 +12,7 @@ absolute gap between the engine's and the trainer's log-probs of the sampled tok
 
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ class Rollouts:
         self.generations = 0  # generations so far (seeds, resume)
         self.metrics: dict[str, float] = {}
         self.zero_spread_notes = 0
+        self.phase = lambda name: nullcontext()  # the loop's step timer, set per generation
         run_dir = Path(self.cfg.output.output_dir or ".")
         self.completions_file = run_dir / "completions.jsonl"
 
@@ -62,6 +64,7 @@ class Rollouts:
         """Completion micro-batches for the prompt micro-batches of each optimizer step."""
         prompts = [p for step in prompt_steps for batch in step for p in batch["prompts"]]
         rows = [json.loads(p["row"]) for p in prompts]
+        self.phase = context.phase
         results = self._sample(model, prompts, attempt=0)
         scored = self._score(prompts, rows, results)
         if self.args.dynamic_sample:
@@ -98,18 +101,20 @@ class Rollouts:
             )
             for i in chosen
         ]
-        return self.method.sampler.generate(model, requests)
+        with self.phase("generation"):
+            return self.method.sampler.generate(model, requests)
 
     def _score(self, prompts, rows, results):
         group = self.args.num_generations
         completions = [s for samples in results for s in samples]
         columns = _columns([row["columns"] for row in rows for _ in range(group)])
-        return self.method.rewards.score(
-            [row["prompt"] for row in rows for _ in range(group)],
-            [s.text for s in completions],
-            [list(s.token_ids) for s in completions],
-            columns,
-        )
+        with self.phase("reward"):
+            return self.method.rewards.score(
+                [row["prompt"] for row in rows for _ in range(group)],
+                [s.text for s in completions],
+                [list(s.token_ids) for s in completions],
+                columns,
+            )
 
     def _resample_flat_groups(self, model, prompts, rows, results, scored):
         """--dynamic_sample: sample the groups whose rewards all agree again, new seeds."""
@@ -171,7 +176,7 @@ class Rollouts:
         for batches in steps:
             for batch in batches:
                 moved = {k: v.to(device) for k, v in batch.items()}
-                with context.autocast():
+                with context.phase("forward"), context.autocast():
                     logps = self.method.token_logps(model, moved).cpu()
                 batch["old_logps"] = logps
                 mask = self.method.completion_mask(batch)

@@ -10,6 +10,7 @@ would have. `step_metrics()` adds the generation's figures (rewards, lengths ...
 """
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,6 +29,8 @@ class StepContext:
     step: int  # the optimizer step about to run (1-based)
     strategy: Any  # distributed.strategy.Strategy: ranks, all-reduce
     autocast: Callable[[], Any]  # the training forward's precision context
+    # Times a part of the step for the log's breakdown: "generation", "reward", "forward".
+    phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext()
 
 
 class OnlineMethod(Protocol):

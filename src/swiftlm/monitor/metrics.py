@@ -20,6 +20,25 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+HISTOGRAMS_FILE = "grad_histograms.jsonl"
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    """The numbers of a log row for the loggers; a dict of numbers (per-layer gradient norms)
+    becomes `name/key` scalars."""
+    scalars = {}
+    for key, value in metrics.items():
+        if key == "step":
+            continue
+        if isinstance(value, (int, float)):
+            scalars[key] = value
+        elif isinstance(value, dict):
+            for inner, number in value.items():
+                if isinstance(number, (int, float)):
+                    scalars[f"{key}/{inner}"] = number
+    return scalars
+
+
 class MetricsLogger:
     """Append one JSON object per logged step; mirror its scalars to the --report_to loggers."""
 
@@ -31,8 +50,9 @@ class MetricsLogger:
         self.loggers = []
         if not enabled:
             return
-        if not resume and self.path.exists():
-            self.path.unlink()
+        if not resume:  # a fresh run in a reused directory starts its files over
+            self.path.unlink(missing_ok=True)
+            (run_dir / HISTOGRAMS_FILE).unlink(missing_ok=True)
         self.loggers = open_loggers(run_dir, report_to, resume)
 
     def log(self, metrics: dict) -> None:
@@ -40,13 +60,20 @@ class MetricsLogger:
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
-        scalars = {
-            key: value
-            for key, value in metrics.items()
-            if key != "step" and isinstance(value, (int, float))
-        }
+        scalars = _scalars(metrics)
         for logger in self.loggers:
             logger.log(scalars, metrics["step"])
+
+    def log_histograms(self, record: dict) -> None:
+        """`{"step", "edges", "layers": {group: counts}}` to grad_histograms.jsonl (the
+        report's) and to every logger that draws histograms (TensorBoard)."""
+        if not self.enabled:
+            return
+        with (self.path.parent / HISTOGRAMS_FILE).open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        for logger in self.loggers:
+            if hasattr(logger, "log_histograms"):
+                logger.log_histograms(record["edges"], record["layers"], record["step"])
 
     def close(self) -> None:
         for logger in self.loggers:
@@ -105,6 +132,14 @@ def _format_value(key: str, value) -> str:
     if key.endswith(("per_second", "_s")):
         return f"{value:.1f}"
     return f"{value:.4f}"
+
+
+SUMMARY_FILE = "summary.json"
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """The end-of-run summary, kept in the run directory (the report's first table)."""
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
 
 def format_summary(summary: dict) -> str:

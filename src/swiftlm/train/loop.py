@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from swiftlm.config.sections import OutputArguments, TrainArguments
+from swiftlm.config.sections_monitor import MonitorArguments
 from swiftlm.data.collate import count_input_tokens
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.strategy import Strategy
-from swiftlm.errors import SwiftLMError
 from swiftlm.losses.causal_lm import count_label_tokens
 from swiftlm.methods.base import Layout, Method
 from swiftlm.methods.online import StepContext, is_online
@@ -34,12 +34,12 @@ from swiftlm.train.batching import (
     steps_in_epoch,
     total_steps,
 )
+from swiftlm.train.nonfinite import NonFiniteLossError, describe_nonfinite, first_nonfinite_output
+from swiftlm.train.observe import Observer
 from swiftlm.train.optim import build_optimizer, build_scheduler
 from swiftlm.train.window import LogWindow, StepResult, mfu_metric
 
-
-class NonFiniteLossError(SwiftLMError):
-    """The loss became NaN/inf and --nonfinite_loss is `error`."""
+__all__ = ["NonFiniteLossError", "TrainingJob", "run_training"]
 
 
 @dataclass
@@ -61,7 +61,9 @@ class TrainingJob:
     heartbeat: Heartbeat | None = None  # hang detection across ranks
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU (0: not reported)
     peak_flops: float = 0.0  # of all devices of the job together
+    monitor: MonitorArguments = field(default_factory=MonitorArguments)
     log: Callable[[str], None] = field(default=print)
+    observer: Observer | None = None  # set by run_training: step timing, gradient health
 
 
 class Precision:
@@ -108,11 +110,15 @@ def rank_batches(job: TrainingJob, step_batches: list[GlobalBatch]) -> list[dict
     return batches
 
 
-def _data_sum(strategy: Strategy, value: float) -> float:
+def _data_sum(job: TrainingJob, value: float) -> float:
     """Sum a per-rank figure over the data: ranks that share a batch (tensor or pipeline
     parallel) hold the same value, so the world sum counts it once per replica."""
+    strategy = job.strategy
+    if not strategy.ctx.distributed:
+        return value
     replicas = strategy.ctx.world_size // strategy.dp_size
-    return strategy.ctx.all_reduce_sum(value) / replicas
+    with job.observer.phase("collective"):
+        return strategy.ctx.all_reduce_sum(value) / replicas
 
 
 def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]) -> StepResult:
@@ -121,30 +127,33 @@ def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]
     Data-parallel wrappers average gradients over ranks, so each loss is also multiplied by
     their number: the result is the gradient of the global mean loss.
     """
-    strategy, method = job.strategy, job.method
-    normalizer = _data_sum(strategy, sum(method.normalizer(b) for b in batches))
+    strategy, method, observer = job.strategy, job.method, job.observer
+    normalizer = _data_sum(job, sum(method.normalizer(b) for b in batches))
     divisor = normalizer if normalizer > 0 else 1.0
     scale = strategy.dp_size / divisor
     metric_sums: dict[str, float] = {}
     if strategy.pipeline_parallel:  # the schedule owns forward and backward
-        local_loss = strategy.pipeline_step(method, batches, scale, precision.autocast)
+        with observer.phase("forward"):
+            local_loss = strategy.pipeline_step(method, batches, scale, precision.autocast)
     else:
         local_loss = 0.0
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with strategy.no_sync(job.model, sync=last):
-                with precision.autocast():
+                with observer.phase("forward"), precision.autocast():
                     loss_sum, metrics = method.loss(job.model, _to_device(batch, job.device))
-                strategy.backward(precision.scale(loss_sum * scale), last_micro_batch=last)
+                with observer.backward(last_micro_batch=last):
+                    strategy.backward(precision.scale(loss_sum * scale), last_micro_batch=last)
             local_loss += float(loss_sum.detach())
             for name, value in metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + float(value.detach())
     return StepResult(
-        loss=_data_sum(strategy, local_loss) / divisor,
+        loss=_data_sum(job, local_loss) / divisor,
         normalizer=normalizer,
-        label_tokens=int(_data_sum(strategy, sum(_label_tokens(b) for b in batches))),
-        input_tokens=int(_data_sum(strategy, sum(count_input_tokens(b) for b in batches))),
-        metrics={k: _data_sum(strategy, v) / divisor for k, v in sorted(metric_sums.items())},
+        label_tokens=int(_data_sum(job, sum(_label_tokens(b) for b in batches))),
+        input_tokens=int(_data_sum(job, sum(count_input_tokens(b) for b in batches))),
+        metrics={k: _data_sum(job, v) / divisor for k, v in sorted(metric_sums.items())},
+        local_loss=local_loss,
     )
 
 
@@ -153,28 +162,54 @@ def _label_tokens(batch: dict) -> int:
 
 
 def clip_and_step(
-    job: TrainingJob, optimizer, scheduler, precision: Precision, loss: float, state
+    job: TrainingJob, optimizer, scheduler, precision: Precision, result: StepResult, state, batches
 ) -> float:
     """Clip and step (the strategy logs the pre-clip norm); follow --nonfinite_loss.
 
-    The loss is already summed over ranks, so every rank takes the same decision.
+    The loss is already summed over ranks, so every rank takes the same decision. A
+    non-finite loss or gradient is traced to its rank and layer (`train.nonfinite`).
     """
     max_norm = job.args.max_grad_norm if job.args.max_grad_norm > 0 else float("inf")
-    if not math.isfinite(loss) and precision.scaler is None:
-        if job.args.nonfinite_loss == "error":
-            raise NonFiniteLossError(
-                f"step {state.step + 1}: loss {loss}. Lower --learning_rate, use "
-                "--torch_dtype bfloat16/float32, or pass --nonfinite_loss skip"
-            )
-        grad_norm = float("nan")
+    if not math.isfinite(result.loss) and precision.scaler is None:
+        grad_norm = float("nan")  # no step: the gradients of a NaN loss are NaN
     else:
         grad_norm = job.strategy.clip_and_step(job.model, optimizer, max_norm, precision.scaler)
     if not math.isfinite(grad_norm) and precision.scaler is None:
-        state.skipped_steps += 1
-        job.log(f"step {state.step + 1}: non-finite loss/gradient, step skipped")
+        _nonfinite_step(job, precision, result, state, batches)
+    job.observer.gradients_ready(state.step + 1)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def _nonfinite_step(job: TrainingJob, precision: Precision, result, state, batches) -> None:
+    """Stop naming the step, rank and layer (`error`), or count the skipped step (`skip`)."""
+    step = state.step + 1
+
+    def run_batch(batch: dict) -> None:
+        with precision.autocast():
+            job.method.loss(job.model, _to_device(batch, job.device))
+
+    def rerun():
+        if job.strategy.pipeline_parallel:  # the schedule owns the forward
+            return None
+        return first_nonfinite_output(job.model, job.method, batches, run_batch)
+
+    what = describe_nonfinite(step, result.loss, result.local_loss, job.observer.health, rerun)
+    if job.args.nonfinite_loss == "error":
+        raise NonFiniteLossError(
+            f"{what}. Lower --learning_rate, use --torch_dtype bfloat16/float32, or pass "
+            "--nonfinite_loss skip to skip such steps"
+        )
+    state.skipped_steps += 1
+    job.observer.anomalies.record(
+        {
+            "step": step,
+            "kind": "nonfinite",
+            "value": result.loss,
+            "message": f"{what}; step skipped ({state.skipped_steps} so far)",
+        }
+    )
 
 
 @torch.no_grad()
@@ -204,14 +239,9 @@ def evaluate(job: TrainingJob, precision: Precision) -> dict[str, float]:
             sums[name] = sums.get(name, 0.0) + float(value)
         normalizer += method.normalizer(batch)
     job.model.train(was_training)
-    total = _data_sum(strategy, normalizer)
+    total = _data_sum(job, normalizer)
     divisor = total if total > 0 else 1.0
-    return {f"eval_{name}": _data_sum(strategy, value) / divisor for name, value in sums.items()}
-
-
-def _beat(job: TrainingJob, step: int, phase: str) -> None:
-    if job.heartbeat is not None:
-        job.heartbeat.beat(step, phase)
+    return {f"eval_{name}": _data_sum(job, value) / divisor for name, value in sums.items()}
 
 
 def plan_steps(job: TrainingJob) -> tuple[int, int]:
@@ -244,6 +274,7 @@ def step_batches(job: TrainingJob, steps, state, num_steps: int, precision) -> t
         step=state.step + 1,
         strategy=job.strategy,
         autocast=precision.autocast,
+        phase=job.observer.phase,
     )
     return job.method.step_batches(job.model, context), position[0]
 
@@ -261,6 +292,7 @@ def run_training(job: TrainingJob) -> dict:
     state = loop_state.resume(job, optimizer, scheduler, precision.scaler)
     main = job.strategy.ctx.is_main
     metrics = MetricsLogger(job.run_dir, out.report_to, resume=state.step > 0, enabled=main)
+    job.observer = observer = Observer(job, num_steps, resume=state.step > 0)
     progress, window = Progress(num_steps, state.step, enabled=main), LogWindow()
     eval_every = out.eval_steps or out.save_steps
     steps = iterate_steps(job.batch_plan, args.gradient_accumulation_steps, state.position)
@@ -268,53 +300,71 @@ def run_training(job: TrainingJob) -> dict:
     job.model.train()
     try:
         while state.step < num_steps:
-            _beat(job, state.step + 1, "data")
-            batches, next_position = step_batches(job, steps, state, num_steps, precision)
+            observer.step_begin(state.step + 1)
+            with observer.phase("data"):
+                batches, next_position = step_batches(job, steps, state, num_steps, precision)
             lr = optimizer.param_groups[0]["lr"]
-            _beat(job, state.step + 1, "forward/backward")
             result = forward_backward(job, precision, batches)
             if is_online(job.method):
                 result.metrics.update(job.method.step_metrics())
-            _beat(job, state.step + 1, "optimizer step")
-            grad_norm = clip_and_step(job, optimizer, scheduler, precision, result.loss, state)
+            with observer.phase("optimizer"):
+                grad_norm = clip_and_step(
+                    job, optimizer, scheduler, precision, result, state, batches
+                )
             state.step, state.position = state.step + 1, next_position
             state.tokens_seen += result.input_tokens
             state.label_tokens_seen += result.label_tokens
             state.last_loss = result.loss
-            window.add(result)
-            progress.update(result.loss, lr, window.throughput.rate())
             last = state.step == num_steps
-            if state.step == 1 or state.step % out.logging_steps == 0 or last:
-                window_row = window.flush()
-                metrics.log(
-                    {
-                        "step": state.step,
-                        "epoch": round(state.step / per_epoch, 4),
-                        **window_row,
-                        **mfu_metric(job, window_row["tokens_per_second"]),
-                        "learning_rate": lr,
-                        "grad_norm": grad_norm,
-                        "memory_gib": round(peak_memory_gib(job.device), 3),
-                        "elapsed_s": round(time.perf_counter() - started, 2),
-                        **job.strategy.step_metrics(),
-                    }
-                )
+            with observer.phase("logging"):
+                window.add(result)
+                observer.step_end(state.step, result.loss, grad_norm)
+                progress.update(result.loss, lr, window.throughput.rate())
+                if observer.logs(state.step):
+                    state.train_seconds = time.perf_counter() - started
+                    metrics.log(log_row(job, state, window, per_epoch, lr, grad_norm))
+                histograms = observer.take_histogram()
+                if histograms:
+                    metrics.log_histograms(histograms)
             if job.val_data and (state.step % eval_every == 0 or last):
-                _beat(job, state.step, "evaluation")
-                evaluated = evaluate(job, precision)
+                with observer.phase("evaluation"):
+                    evaluated = evaluate(job, precision)
                 state.last_eval_loss = evaluated["eval_loss"]
                 metrics.log({"step": state.step, **evaluated})
                 progress.write(f"step {state.step}: eval_loss {state.last_eval_loss:.4f}")
             state.train_seconds = time.perf_counter() - started
             if state.step % out.save_steps == 0 or last:
-                _beat(job, state.step, "checkpoint save")
-                loop_state.save(job, optimizer, scheduler, precision.scaler, state)
+                with observer.phase("checkpoint"):
+                    loop_state.save(job, optimizer, scheduler, precision.scaler, state)
     finally:
+        observer.close()
         progress.close()
         metrics.close()
         if is_online(job.method):  # the rollout engine's thread, reward workers
             job.method.close()
     return summarize(job, state)
+
+
+def log_row(job: TrainingJob, state, window: LogWindow, per_epoch: int, lr, grad_norm) -> dict:
+    """One metrics.jsonl line: the window's loss and throughput, the step's learning rate
+    and gradient norm, and where the time went (every rank calls it: it reduces)."""
+    window_row = window.flush()
+    mfu = mfu_metric(job, window_row["tokens_per_second"])
+    strategy_row = job.strategy.step_metrics()
+    return {
+        "step": state.step,
+        "epoch": round(state.step / per_epoch, 4),
+        **window_row,
+        **mfu,
+        **({"compute_efficiency": mfu["mfu"]} if mfu else {}),
+        "learning_rate": lr,
+        "grad_norm": grad_norm,
+        "memory_gib": round(peak_memory_gib(job.device), 3),
+        "elapsed_s": round(state.train_seconds, 2),
+        "skipped_steps": state.skipped_steps,
+        **strategy_row,
+        **job.observer.log_row(strategy_row),
+    }
 
 
 def summarize(job: TrainingJob, state) -> dict:

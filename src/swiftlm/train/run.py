@@ -16,16 +16,25 @@ from swiftlm.distributed.env import init_distributed, shutdown_distributed
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.parallelize import apply_activation_checkpointing
 from swiftlm.distributed.strategy import build_strategy
+from swiftlm.errors import SwiftLMError
 from swiftlm.methods import METHODS
 from swiftlm.models.loader import CAUSAL_LM, load_tokenizer, pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
+from swiftlm.monitor.dashboard import Dashboard
 from swiftlm.monitor.loggers import check_loggers_installed
-from swiftlm.monitor.metrics import format_summary
+from swiftlm.monitor.metrics import format_summary, write_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
+from swiftlm.monitor.oom import oom_guard
+from swiftlm.monitor.report import write_report
 from swiftlm.train.batching import describe_plan
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.preflight import prepare_run
-from swiftlm.train.prepare import make_batch_plan, prepare_data, prepare_model
+from swiftlm.train.prepare import (
+    make_batch_plan,
+    prepare_data,
+    prepare_model,
+    report_data_health,
+)
 from swiftlm.train.resolve import resolve_auto_batch, resolve_config, run_facts
 from swiftlm.tuners.setup import count_parameters
 
@@ -66,7 +75,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     )
     tokenizer = load_tokenizer(resolved.path)
     method = method_cls(cfg, tokenizer)
-    train_data, val_data = prepare_data(cfg, method, tokenizer, ctx, log)
+    train_data, val_data, truncation = prepare_data(cfg, method, tokenizer, ctx, log)
     log(f"data: {len(train_data)} training samples, {len(val_data)} validation samples")
     set_seed(cfg.train.seed)  # the same initial weights on every rank
     kind = getattr(method, "model_kind", CAUSAL_LM)  # a reward model: sequence classification
@@ -95,6 +104,9 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     per_sample = getattr(method, "completions_per_sample", 1)  # GRPO: a prompt's group
     batch_plan = make_batch_plan(cfg, lengths, strategy.dp_size, per_sample)
     log(describe_plan(batch_plan, cfg.data.max_length))
+    report_data_health(
+        cfg, method, (train_data, val_data, truncation), batch_plan, run_dir, ctx, log
+    )
     job = TrainingJob(
         model=strategy.wrap(model),
         tokenizer=tokenizer,
@@ -108,9 +120,11 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
         run_dir=run_dir,
         strategy=strategy,
         batch_plan=batch_plan,
+        monitor=cfg.monitor,
         flops_per_token=flops,
         peak_flops=peak_flops(device, compute_dtype) * ctx.world_size,
-        heartbeat=Heartbeat(ctx, cfg.dist.heartbeat_timeout, run_dir) if ctx.distributed else None,
+        # One process too: a hang dumps every thread's stack and stops the run.
+        heartbeat=Heartbeat(ctx, cfg.dist.heartbeat_timeout, run_dir),
         log=log,
     )
     summary = _train_and_save(job)
@@ -119,17 +133,44 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
 
 
 def _train_and_save(job: TrainingJob) -> dict:
-    """The loop, then final/; the heartbeat and the process group always shut down."""
+    """The loop, then final/; the heartbeat and the process group always shut down, and the
+    report is written even when the run fails (what led up to a NaN or a crash is there)."""
+    dashboard = _start_dashboard(job)
     try:
         if job.heartbeat:
             job.heartbeat.start()
-        summary = run_training(job)
+        with oom_guard(job.run_dir, job.device, job.log):
+            summary = run_training(job)
         if job.heartbeat:
             job.heartbeat.beat(summary["steps"], "final save")
         job.strategy.save_final(job.model, job.tokenizer, job.run_dir / "final")
+        summary["output"] = str(job.run_dir / "final")
+        if job.strategy.ctx.is_main:
+            write_summary(job.run_dir, summary)
     finally:
         if job.heartbeat:
             job.heartbeat.stop()
+        _finish_report(job, dashboard)
         shutdown_distributed()
-    summary["output"] = str(job.run_dir / "final")
     return summary
+
+
+def _start_dashboard(job: TrainingJob):
+    """--dashboard: the live run page, served by rank 0 while it trains."""
+    if not (job.monitor.dashboard and job.strategy.ctx.is_main):
+        return None
+    dashboard = Dashboard(job.run_dir, job.monitor.dashboard_port)
+    job.log(f"dashboard: {dashboard.start()} (live while the run trains)")
+    return dashboard
+
+
+def _finish_report(job: TrainingJob, dashboard) -> None:
+    """Rank 0 writes report.html; a run that stopped before its first log line has none."""
+    if dashboard is not None:
+        dashboard.stop()
+    if not job.strategy.ctx.is_main or not (job.run_dir / "metrics.jsonl").is_file():
+        return
+    try:
+        job.log(f"report: {write_report([job.run_dir])}")
+    except SwiftLMError as exc:  # never hide the run's own outcome behind the report's
+        job.log(f"report.html not written: {exc}")

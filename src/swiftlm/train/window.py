@@ -15,6 +15,7 @@ class StepResult:
     label_tokens: int
     input_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)  # each already / normalizer
+    local_loss: float = 0.0  # this rank's loss sum (which rank went non-finite)
 
 
 class LogWindow:
