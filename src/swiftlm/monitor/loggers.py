@@ -128,6 +128,18 @@ class WandbLogger:
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
 
+    def log_histograms(self, edges: list[float], layers: dict[str, list[int]], step: int) -> None:
+        """Per-layer log10|gradient| histograms, already binned (`grad_log10_abs/<layer>`)."""
+        import wandb
+
+        self.run.log(
+            {
+                f"grad_log10_abs/{layer}": wandb.Histogram(np_histogram=(counts, edges))
+                for layer, counts in layers.items()
+            },
+            step=step,
+        )
+
     def close(self) -> None:
         self.run.finish()
 

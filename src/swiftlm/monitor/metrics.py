@@ -142,23 +142,27 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
 
+# summary.json keys, in the order the end-of-run block (and the report's table) shows them.
+SUMMARY_LABELS = {
+    "steps": "optimizer steps",
+    "train_time_s": "train time (s)",
+    "tokens_per_second": "tokens/s",
+    "label_tokens_per_second": "label tokens/s",
+    "mfu": "MFU",
+    "peak_memory_gib": "peak memory (GiB)",
+    "final_train_loss": "final train loss",
+    "final_eval_loss": "final eval loss",
+    "skipped_steps": "skipped steps",
+    "output": "model saved to",
+}
+
+
 def format_summary(summary: dict) -> str:
     """The end-of-run block."""
     lines = ["", "Run summary"]
-    labels = {
-        "steps": "optimizer steps",
-        "train_time_s": "train time (s)",
-        "tokens_per_second": "tokens/s",
-        "label_tokens_per_second": "label tokens/s",
-        "mfu": "MFU",
-        "peak_memory_gib": "peak memory (GiB)",
-        "final_train_loss": "final train loss",
-        "final_eval_loss": "final eval loss",
-        "output": "model saved to",
-    }
-    for key, label in labels.items():
+    for key, label in SUMMARY_LABELS.items():
         value = summary.get(key)
-        if value is None:
+        if value is None or (key == "skipped_steps" and not value):
             continue
         text = _format_value(key, value)
         lines.append(f"  {label:<20} {text}")

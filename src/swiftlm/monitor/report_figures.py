@@ -13,20 +13,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from swiftlm.monitor.run_data import RunData, finite, is_number
+from swiftlm.monitor.step_time import PHASES as STEP_PHASES
 
-# The step-time phases in the order a step runs them; stacked bottom to top.
-PHASES = (
-    "data",
-    "forward",
-    "backward",
-    "optimizer",
-    "collective",
-    "checkpoint",
-    "evaluation",
-    "generation",
-    "reward",
-    "other",
-)
+# The step-time phases in the order a step runs them (step_time.PHASES); stacked bottom to
+# top, with what no phase covered on top.
+PHASES = (*STEP_PHASES, "other")
 PHASE_COLORS = dict(
     zip(
         PHASES,
@@ -40,6 +31,8 @@ PHASE_COLORS = dict(
             "#e377c2",
             "#17becf",
             "#bcbd22",
+            "#aec7e8",
+            "#ffbb78",
             "#c7c7c7",
         ),
         strict=True,

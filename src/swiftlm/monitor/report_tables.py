@@ -9,21 +9,8 @@ from typing import Any
 
 import yaml
 
+from swiftlm.monitor.metrics import SUMMARY_LABELS
 from swiftlm.monitor.run_data import RunData, is_number
-
-# summary.json keys, in the order the end-of-run block prints them.
-SUMMARY_LABELS = {
-    "steps": "optimizer steps",
-    "train_time_s": "train time (s)",
-    "tokens_per_second": "tokens/s",
-    "label_tokens_per_second": "label tokens/s",
-    "mfu": "MFU",
-    "peak_memory_gib": "peak memory (GiB)",
-    "final_train_loss": "final train loss",
-    "final_eval_loss": "final eval loss",
-    "skipped_steps": "skipped steps",
-    "output": "output",
-}
 
 
 def cell(value: Any) -> str:
