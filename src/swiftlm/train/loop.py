@@ -304,9 +304,12 @@ def run_training(job: TrainingJob) -> dict:
             with observer.phase("data"):
                 batches, next_position = step_batches(job, steps, state, num_steps, precision)
             lr = optimizer.param_groups[0]["lr"]
-            result = forward_backward(job, precision, batches)
-            if is_online(job.method):
-                result.metrics.update(job.method.step_metrics())
+            # The outer phase holds the step's own bookkeeping (token counts, metric sums);
+            # backward and the collectives inside are timed as themselves.
+            with observer.phase("forward"):
+                result = forward_backward(job, precision, batches)
+                if is_online(job.method):
+                    result.metrics.update(job.method.step_metrics())
             with observer.phase("optimizer"):
                 grad_norm = clip_and_step(
                     job, optimizer, scheduler, precision, result, state, batches
