@@ -117,8 +117,8 @@ def test_the_printed_summary_is_short_and_names_the_numbers():
         "data: 7 samples, 63 tokens; length min/p50/p95/max 3/8/20/20; 3 truncated at 2048 "
         "tokens; labels 48% of tokens",
         "validation data: 1 sample, 5 tokens",
-        "batches fixed size: 75% real tokens (25% padding)",
     ]
+    assert summary["layout"]["efficiency"] == 0.75 and summary["layout"]["padding_share"] == 0.25
     assert summary["train"]["truncation"] == TRUNCATION
     json.dumps(summary)  # plain JSON values only
 
@@ -162,4 +162,4 @@ def test_an_sft_run_prints_and_keeps_its_data_health(tiny_model_dir, tmp_path, c
     assert sum(health["train"]["length_histogram"]["counts"]) == len(CHAT_ROWS)
     printed = capsys.readouterr().out
     assert f"data: {len(CHAT_ROWS)} samples, {health['train']['tokens']:,} tokens" in printed
-    assert "batches fixed size: " in printed
+    assert "batches: " in printed  # the layout's own line (describe_plan)

@@ -188,7 +188,8 @@ def _truncation_phrase(truncation: dict) -> str:
 
 
 def format_data_health(summary: dict) -> str:
-    """2-4 lines: sizes and lengths, labels and truncation, then the batch layout."""
+    """1-2 lines: sizes and lengths, labels and truncation. The batch layout's fill is in
+    data_health.json; the log's `batches:` line (train.batching.describe_plan) prints it."""
     lines = []
     for name, label in (("train", "data"), ("validation", "validation data")):
         split = summary.get(name)
@@ -204,14 +205,6 @@ def format_data_health(summary: dict) -> str:
             if share is not None:
                 line += f"; labels {100 * share:.0f}% of tokens"
         lines.append(line)
-    layout = summary["layout"]
-    line = (
-        f"batches {layout['kind']}: {100 * layout['efficiency']:.0f}% real tokens "
-        f"({100 * layout['padding_share']:.0f}% padding)"
-    )
-    if "packed_row_fill" in layout:
-        line += f", packed rows {100 * layout['packed_row_fill']:.0f}% full"
-    lines.append(line)
     return "\n".join(lines)
 
 
