@@ -35,7 +35,7 @@ def test_sft_trains_tool_calls_with_the_templates_tools(tool_model_dir, tmp_path
     out = tmp_path / "run"
     flags = dict(max_steps=2, per_device_train_batch_size=4, load_from_cache_file="false")
     assert main(tiny_sft(tool_model_dir, data, out, **flags)) == 0
-    assert "data: 8 training samples" in capsys.readouterr().out
+    assert "data: 8 samples, " in capsys.readouterr().out
     # Per sample: the call turn and the answer turn carry labels.
     assert all(count > 0 for count in logged(out, "label_tokens"))
 
@@ -132,7 +132,7 @@ def test_dataset_folder_with_subfolders_trains_on_every_file(tiny_model_dir, tmp
     write_jsonl(folder / "more" / "deeper" / "c.jsonl", CHAT_ROWS[10:12])
     (folder / "README.md").write_text("# a dataset card")
     assert main(tiny_sft(tiny_model_dir, folder, tmp_path / "run", max_steps=1)) == 0
-    assert "data: 12 training samples" in capsys.readouterr().out
+    assert "data: 12 samples, " in capsys.readouterr().out
 
 
 @pytest.mark.bad_input(

@@ -284,7 +284,7 @@ def test_bad_rows_stop_before_training_and_skip_bad_rows_trains(tiny_model_dir, 
     assert sft(tiny_model_dir, data, out, "--max_steps", 2, "--skip_bad_rows") == 0
     printed = capsys.readouterr().out
     assert "skipped 4 bad rows" in printed
-    assert "data: 6 training samples" in printed
+    assert "data: 6 samples, " in printed
 
 
 def test_unknown_flag_suggests_the_nearest(capsys):
