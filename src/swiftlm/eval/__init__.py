@@ -1,0 +1,1 @@
+"""Evaluation: run benchmarks on a model, compare two evaluations, check for contamination."""
