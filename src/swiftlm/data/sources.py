@@ -31,6 +31,10 @@ BUILTIN_DATASETS = {
     # GRPO's verifiable task: additions with a `solution` (scripts/make_arithmetic_data.py)
     "swiftlm/arithmetic": "arithmetic.jsonl",
     "swiftlm/arithmetic-heldout": "arithmetic_heldout.jsonl",
+    # Evaluation sets of `swiftlm eval` (swiftlm/quick), written for the project: questions
+    # and self-cognition probes that the default job's training data does not contain.
+    "swiftlm/general-qa-eval": "general_qa_eval.jsonl",
+    "swiftlm/self-cognition-probes": "self_cognition_probes.jsonl",
 }
 
 NOT_AN_OBJECT = "expected a JSON object"
