@@ -181,10 +181,18 @@ def test_help_lists_only_the_flags_a_command_uses(command, capsys, tmp_path):
 
 
 def test_unused_flags_tables_name_real_flags():
-    from swiftlm.config import DeployConfig, ExportConfig, InferConfig, ReportConfig, RLHFConfig
+    from swiftlm.config import (
+        DeployConfig,
+        EvalConfig,
+        ExportConfig,
+        InferConfig,
+        ReportConfig,
+        RLHFConfig,
+    )
 
     configs = {
         "report": ReportConfig,
+        "eval": EvalConfig,
         "sft": TrainConfig,
         "pt": TrainConfig,
         "rlhf": RLHFConfig,

@@ -26,6 +26,12 @@ COMMANDS = {
         "swiftlm.infer.run",
         "Chat with a model, or answer a dataset in batch.",
     ),
+    "eval": (
+        "EvalConfig",
+        "swiftlm.evaluate.run",
+        "Evaluate a model, run or served endpoint on tasks (swiftlm/quick, files, lm-eval), "
+        "with confidence intervals; --compare A B: the paired difference.",
+    ),
     "export": (
         "ExportConfig",
         "swiftlm.export.run",

@@ -12,6 +12,7 @@
 from swiftlm.config.commands import (
     UNUSED_FLAGS,
     DeployConfig,
+    EvalConfig,
     ExportConfig,
     InferConfig,
     ReportConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "DataArguments",
     "DeployArguments",
     "DeployConfig",
+    "EvalConfig",
     "DistArguments",
     "ExportArguments",
     "ExportConfig",

@@ -11,6 +11,7 @@ from swiftlm.config.sections import (
     TrainArguments,
     TunerArguments,
 )
+from swiftlm.config.sections_eval import EvalArguments, TrainEvalArguments
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
 from swiftlm.config.sections_monitor import MonitorArguments
 from swiftlm.config.sections_online import GKDArguments, GRPOArguments, settle_online
@@ -31,6 +32,7 @@ class TrainConfig:
     output: OutputArguments = field(default_factory=OutputArguments)
     dist: DistArguments = field(default_factory=DistArguments)
     monitor: MonitorArguments = field(default_factory=MonitorArguments)
+    evaluation: TrainEvalArguments = field(default_factory=TrainEvalArguments)
 
 
 @dataclass
@@ -53,6 +55,17 @@ class InferConfig:
     data: DataArguments = field(default_factory=DataArguments)
     generation: GenerationArguments = field(default_factory=GenerationArguments)
     infer: InferArguments = field(default_factory=InferArguments)
+
+
+@dataclass
+class EvalConfig:
+    """`swiftlm eval`: a model (or run, or served endpoint), tasks, and how to sample answers."""
+
+    model: ModelArguments = field(default_factory=ModelArguments)
+    data: DataArguments = field(default_factory=DataArguments)  # --dataset, --system
+    generation: GenerationArguments = field(default_factory=GenerationArguments)
+    infer: InferArguments = field(default_factory=InferArguments)
+    eval: EvalArguments = field(default_factory=EvalArguments)
 
 
 @dataclass
@@ -128,6 +141,23 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "max_batch_size",
             "stream",
             "task",  # a reward model is served for scoring (/v1/score), found from its files
+        }
+    ),
+    # Tasks bring their own data; --dataset names the training data of the contamination
+    # check (default: the evaluated run's), --system the system prompt of chat tasks.
+    "eval": frozenset(
+        {
+            "val_dataset",
+            "split_dataset_ratio",
+            "max_length",
+            "truncation_strategy",
+            "loss_scope",
+            "skip_bad_rows",
+            "data_seed",
+            "load_from_cache_file",
+            "result_path",
+            "stream",
+            "task",
         }
     ),
     "report": frozenset(),  # its own section only

@@ -7,7 +7,8 @@ naming the flags and the fix (later rules may assume that earlier ones hold).
 from typing import Any
 
 from swiftlm.config.checks import Facts, Rule
-from swiftlm.config.commands import ExportConfig, InferConfig, TrainConfig
+from swiftlm.config.commands import EvalConfig, ExportConfig, InferConfig, TrainConfig
+from swiftlm.config.rules_eval import EVAL_RULES, TRAIN_EVAL_RULES
 from swiftlm.config.rules_export import (
     BNB_BITS_RULE,
     CKPT_DIR_OR_ADAPTERS_RULE,
@@ -307,7 +308,13 @@ INFER_RULES = (
 )
 
 RULES: dict[type, tuple[Rule, ...]] = {
-    TrainConfig: TRAIN_RULES + RUN_DIR_RULES + PIPELINE_RULES + ENGINE_RULES + QLORA_RULES,
+    TrainConfig: TRAIN_RULES
+    + RUN_DIR_RULES
+    + PIPELINE_RULES
+    + ENGINE_RULES
+    + QLORA_RULES
+    + TRAIN_EVAL_RULES,
     InferConfig: INFER_RULES,
+    EvalConfig: EVAL_RULES,
     ExportConfig: EXPORT_RULES,
 }

@@ -1,0 +1,167 @@
+"""`swiftlm eval`: evaluate a model on tasks, or compare two evaluations (`--compare A B`).
+
+The order is the same as training's: every flag and every task's data are checked first,
+then the model loads, then each task runs and its records are written as they finish, and
+last come the summary (with bootstrap intervals), the manifest and the contamination check.
+"""
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+from swiftlm.config import EvalConfig, save_config
+from swiftlm.config.rules import check
+from swiftlm.errors import ConfigError
+from swiftlm.eval.backend import LocalBackend, Sampling
+from swiftlm.eval.compare import (
+    compare_results,
+    comparison_to_json,
+    format_comparison,
+    load_results,
+)
+from swiftlm.eval.endpoint import EndpointBackend
+from swiftlm.eval.runner import EvalSettings, run_task
+from swiftlm.eval.summary import format_summary, summarize
+from swiftlm.eval.task_file import check_not_empty, load_tasks
+from swiftlm.evaluate.contamination import contamination_section
+from swiftlm.evaluate.lm_eval_run import run_lm_eval_backend
+from swiftlm.evaluate.manifest import (
+    build_manifest,
+    endpoint_model_entry,
+    local_model_entry,
+    task_entry,
+)
+from swiftlm.evaluate.output import PREDICTIONS, output_dir, resolve_compare_folder, write_json
+from swiftlm.infer.frontend import engine_for_model
+from swiftlm.infer.resolve import resolve_inference_model
+
+
+def run(cfg: EvalConfig) -> dict:
+    check(cfg)
+    if cfg.eval.compare:
+        return run_compare(cfg)
+    if cfg.eval.eval_backend == "lm_eval":
+        return run_lm_eval_backend(cfg)
+    placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
+    tasks = load_tasks(cfg.eval.eval_dataset, cfg.eval.eval_limit, placeholders)
+    check_not_empty(tasks)
+    judge = _judge(cfg) if any(t.kind == "judge" for t in tasks) else None
+    started = datetime.now().isoformat(timespec="seconds")
+    backend, model_entry, spec = open_backend(cfg)
+    out = output_dir(cfg, spec, backend)
+    save_config(cfg, out / "config.yaml")
+    chat = bool(getattr(getattr(backend, "tokenizer", None), "chat_template", True))
+    settings = EvalSettings(
+        sampling=sampling_of(cfg),
+        sandbox_timeout=cfg.eval.sandbox_timeout,
+        sandbox_memory_mb=cfg.eval.sandbox_memory_mb,
+        judge=judge,
+    )
+    print(f"Evaluating {backend.description} on {len(tasks)} task(s); results: {out}", flush=True)
+    summary, entries = {}, {}
+    wall = time.perf_counter()
+    try:
+        with (out / PREDICTIONS).open("w", encoding="utf-8") as predictions:
+            for task in tasks:
+                print(f"{task.name}: {len(task.samples)} {task.kind} samples ...", flush=True)
+                result = run_task(task, backend, settings, chat=chat)
+                for record in result.records:
+                    predictions.write(json.dumps(record, ensure_ascii=False) + "\n")
+                predictions.flush()
+                summary[task.name] = summarize(
+                    result, cfg.eval.confidence, cfg.eval.bootstrap_resamples, cfg.infer.seed
+                )
+                entries[task.name] = task_entry(task, "chat" if chat else "completion")
+    finally:
+        backend.close()
+    report = {"tasks": summary, "wall_s": round(time.perf_counter() - wall, 1)}
+    contamination = contamination_section(cfg, spec, tasks, cfg.eval.contamination_ngram)
+    if contamination:
+        report["contamination"] = contamination["summary"]
+        write_json(out / "contamination.json", contamination)
+    write_json(out / "summary.json", report)
+    manifest = build_manifest(
+        model=model_entry,
+        sampling=settings.sampling,
+        tasks=entries,
+        backend="native",
+        started=started,
+    )
+    write_json(out / "manifest.json", manifest)
+    print(format_summary(summary), flush=True)
+    _print_contamination(contamination)
+    print(f"wall time {report['wall_s']} s; predictions, summary and manifest in {out}", flush=True)
+    return report
+
+
+def sampling_of(cfg: EvalConfig) -> Sampling:
+    gen = cfg.generation
+    return Sampling(
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        repetition_penalty=gen.repetition_penalty,
+        seed=cfg.infer.seed,
+    )
+
+
+def open_backend(cfg: EvalConfig):
+    """(backend, the manifest's model entry, the resolved local model or None)."""
+    if cfg.eval.eval_url:
+        backend = EndpointBackend(
+            cfg.eval.eval_url,
+            cfg.model.model,
+            cfg.eval.api_key,
+            concurrency=cfg.infer.max_batch_size,
+        )
+        return backend, endpoint_model_entry(backend), None
+    spec = resolve_inference_model(cfg)
+    print(f"Loading {spec.description}", flush=True)
+    engine = engine_for_model(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
+    backend = LocalBackend(engine, spec.description)
+    return backend, local_model_entry(spec, engine.tokenizer), spec
+
+
+def _judge(cfg: EvalConfig) -> EndpointBackend:
+    import os
+
+    if not cfg.eval.judge_url:
+        raise ConfigError(
+            "--eval_dataset has a judge task: give the judge model's OpenAI-compatible server "
+            "with --judge_url (and --judge_model)"
+        )
+    key = os.environ.get("SWIFTLM_JUDGE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    return EndpointBackend(cfg.eval.judge_url, cfg.eval.judge_model, key, flag="--judge_url")
+
+
+def run_compare(cfg: EvalConfig) -> dict:
+    first, second = (resolve_compare_folder(f) for f in cfg.eval.compare)
+    comparison = compare_results(
+        load_results(first),
+        load_results(second),
+        confidence=cfg.eval.confidence,
+        resamples=cfg.eval.bootstrap_resamples,
+        seed=cfg.infer.seed,
+    )
+    print(format_comparison(comparison), flush=True)
+    result = comparison_to_json(comparison)
+    if cfg.eval.eval_output_dir:
+        out = Path(cfg.eval.eval_output_dir).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "compare.json", result)
+        print(f"comparison written to {out / 'compare.json'}", flush=True)
+    return result
+
+
+def _print_contamination(section: dict | None) -> None:
+    if not section:
+        return
+    for task, result in section["summary"]["tasks"].items():
+        print(
+            f"contamination {task}: {result['contaminated']} of {result['checked']} samples "
+            f"share a {section['summary']['n']}-gram with the training data"
+            + (f" ({result['too_short']} too short to check)" if result["too_short"] else ""),
+            flush=True,
+        )
