@@ -54,8 +54,9 @@ def mark_complete_when_written(folder: Path, step: int, pending=None) -> None:
         pending.add_done_callback(mark)
 
 
-def prune_checkpoints(run_dir: Path, keep: int | None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond `keep`; never the newest complete one.
+def prune_checkpoints(run_dir: Path, keep: int | None, protect: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `keep`; never the newest complete one,
+    nor `protect` (the best checkpoint), which does not count towards `keep`.
 
     Incomplete folders older than the newest complete checkpoint are leftovers of a crash
     and are removed too.
@@ -63,7 +64,8 @@ def prune_checkpoints(run_dir: Path, keep: int | None) -> list[Path]:
     complete, incomplete = list_checkpoints(run_dir)
     removed = []
     if keep is not None and complete:
-        for folder in complete[: -max(keep, 1)]:
+        rotating = [f for f in complete if protect is None or f.resolve() != protect.resolve()]
+        for folder in rotating[: -max(keep, 1)]:
             shutil.rmtree(folder)
             removed.append(folder)
     if complete:

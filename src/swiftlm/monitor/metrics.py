@@ -153,6 +153,8 @@ SUMMARY_LABELS = {
     "final_train_loss": "final train loss",
     "final_eval_loss": "final eval loss",
     "skipped_steps": "skipped steps",
+    "best_metric": "best metric",
+    "best_checkpoint": "best checkpoint",
     "output": "model saved to",
 }
 

@@ -22,7 +22,7 @@ from swiftlm.monitor.report_tables import (
     histograms_in,
     summary_table,
 )
-from swiftlm.monitor.run_data import RunData, is_number
+from swiftlm.monitor.run_data import RunData, is_eval_key, is_number
 
 MISSING = "not recorded in this run"
 
@@ -213,7 +213,7 @@ def method_cards(runs: list[RunData]) -> list[Card]:
         return [Card("method", "method", "Method metrics")]
     cards = []
     for key in keys:
-        source = "eval" if key.startswith("eval_") else "train"
+        source = "eval" if is_eval_key(key) else "train"
         view = [RunData(r.name, r.path, train=getattr(r, source)) for r in runs]
         cards.append(plot_card(f"method:{key}", "method", key, figs.line_figure(view, (key,))))
     return cards

@@ -90,6 +90,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+# Evaluation keys: the validation loss and method metrics (eval_loss, eval_<name>) and the
+# generation tasks' scores (eval/<task>/<metric>).
+EVAL_PREFIXES = ("eval_", "eval/")
+
+
+def is_eval_key(key: str) -> bool:
+    return key.startswith(EVAL_PREFIXES)
+
+
 def split_metrics(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """Training rows and evaluation rows, one per step, the last logged winning; a row with
     both kinds of key is split in two."""
@@ -97,8 +106,8 @@ def split_metrics(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     evals: dict[int, dict] = {}
     for row in rows:
         step = int(row["step"])
-        eval_part = {k: v for k, v in row.items() if k.startswith("eval_")}
-        train_part = {k: v for k, v in row.items() if not k.startswith("eval_") and k != "step"}
+        eval_part = {k: v for k, v in row.items() if is_eval_key(k)}
+        train_part = {k: v for k, v in row.items() if not is_eval_key(k) and k != "step"}
         if eval_part:
             evals[step] = {"step": step, **eval_part}
         if train_part:

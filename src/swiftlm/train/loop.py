@@ -34,6 +34,7 @@ from swiftlm.train.batching import (
     steps_in_epoch,
     total_steps,
 )
+from swiftlm.train.evaluation import BestCheckpoint, GenerationEvaluator
 from swiftlm.train.nonfinite import NonFiniteLossError, describe_nonfinite, first_nonfinite_output
 from swiftlm.train.observe import Observer
 from swiftlm.train.optim import build_optimizer, build_scheduler
@@ -64,6 +65,8 @@ class TrainingJob:
     monitor: MonitorArguments = field(default_factory=MonitorArguments)
     log: Callable[[str], None] = field(default=print)
     observer: Observer | None = None  # set by run_training: step timing, gradient health
+    evaluator: GenerationEvaluator | None = None  # --eval_dataset's tasks
+    best: BestCheckpoint | None = None  # --metric_for_best_model
 
 
 class Precision:
@@ -213,6 +216,22 @@ def _nonfinite_step(job: TrainingJob, precision: Precision, result, state, batch
 
 
 @torch.no_grad()
+def run_evaluations(job: TrainingJob, precision: Precision, state) -> dict[str, float]:
+    """The validation loss and the generation tasks' scores; the best step is updated."""
+    evaluated = evaluate(job, precision) if job.val_data else {}
+    if job.evaluator:
+        evaluated.update(job.evaluator.evaluate_on_ranks(job.model, job.strategy.ctx))
+    state.last_eval_loss = evaluated.get("eval_loss", state.last_eval_loss)
+    if job.best:
+        job.best.update(state, evaluated)
+    return evaluated
+
+
+def describe_evaluation(step: int, evaluated: dict[str, float]) -> str:
+    shown = ", ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
+    return f"step {step}: {shown}"
+
+
 def evaluate(job: TrainingJob, precision: Precision) -> dict[str, float]:
     """The method's mean loss (`eval_loss`) and metrics (`eval_<name>`) over the validation
     data, each a sum over all ranks divided by the summed normalizer, as in training."""
@@ -329,12 +348,11 @@ def run_training(job: TrainingJob) -> dict:
                 histograms = observer.take_histogram()
                 if histograms:
                     metrics.log_histograms(histograms)
-            if job.val_data and (state.step % eval_every == 0 or last):
+            if (job.val_data or job.evaluator) and (state.step % eval_every == 0 or last):
                 with observer.phase("evaluation"):
-                    evaluated = evaluate(job, precision)
-                state.last_eval_loss = evaluated["eval_loss"]
+                    evaluated = run_evaluations(job, precision, state)
                 metrics.log({"step": state.step, **evaluated})
-                progress.write(f"step {state.step}: eval_loss {state.last_eval_loss:.4f}")
+                progress.write(describe_evaluation(state.step, evaluated))
             state.train_seconds = time.perf_counter() - started
             if state.step % out.save_steps == 0 or last:
                 with observer.phase("checkpoint"):
@@ -345,6 +363,8 @@ def run_training(job: TrainingJob) -> dict:
         metrics.close()
         if is_online(job.method):  # the rollout engine's thread, reward workers
             job.method.close()
+        if job.evaluator:
+            job.evaluator.close()
     return summarize(job, state)
 
 
@@ -382,4 +402,12 @@ def summarize(job: TrainingJob, state) -> dict:
         "final_train_loss": state.last_loss,
         "final_eval_loss": state.last_eval_loss,
         "skipped_steps": state.skipped_steps,
+        **best_summary(job, state),
     }
+
+
+def best_summary(job: TrainingJob, state) -> dict:
+    folder = job.best.folder(job.run_dir, state) if job.best else None
+    if folder is None:
+        return {}
+    return {"best_metric": state.best_metric, "best_checkpoint": str(folder)}

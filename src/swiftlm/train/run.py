@@ -27,6 +27,7 @@ from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.monitor.oom import oom_guard
 from swiftlm.monitor.report import write_report
 from swiftlm.train.batching import describe_plan
+from swiftlm.train.evaluation import BestCheckpoint, build_generation_evaluator
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.preflight import prepare_run
 from swiftlm.train.prepare import (
@@ -76,6 +77,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     tokenizer = load_tokenizer(resolved.path)
     method = method_cls(cfg, tokenizer)
     train_data, val_data, truncation = prepare_data(cfg, method, tokenizer, ctx, log)
+    evaluator = build_generation_evaluator(cfg, tokenizer, strategy)
     set_seed(cfg.train.seed)  # the same initial weights on every rank
     kind = getattr(method, "model_kind", CAUSAL_LM)  # a reward model: sequence classification
     model = prepare_model(cfg, resolved.path, device, compute_dtype, kind, tokenizer.pad_token_id)
@@ -125,6 +127,8 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
         # One process too: a hang dumps every thread's stack and stops the run.
         heartbeat=Heartbeat(ctx, cfg.dist.heartbeat_timeout, run_dir),
         log=log,
+        evaluator=evaluator,
+        best=BestCheckpoint(cfg.evaluation) if cfg.evaluation.metric_for_best_model else None,
     )
     summary = _train_and_save(job)
     log(format_summary(summary))

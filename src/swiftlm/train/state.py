@@ -22,6 +22,8 @@ class LoopState:
     last_loss: float | None = None
     last_eval_loss: float | None = None
     skipped_steps: int = 0
+    best_metric: float | None = None  # of --metric_for_best_model, and the step that had it
+    best_step: int | None = None
 
     def to_json(self, num_samples: int, scheduler, scaler) -> dict:
         return {
@@ -34,6 +36,8 @@ class LoopState:
             "last_loss": self.last_loss,
             "last_eval_loss": self.last_eval_loss,
             "skipped_steps": self.skipped_steps,
+            "best_metric": self.best_metric,
+            "best_step": self.best_step,
             "num_train_samples": num_samples,
             "scheduler": scheduler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
@@ -50,6 +54,8 @@ class LoopState:
             last_loss=saved["last_loss"],
             last_eval_loss=saved["last_eval_loss"],
             skipped_steps=saved["skipped_steps"],
+            best_metric=saved.get("best_metric"),
+            best_step=saved.get("best_step"),
         )
 
 
@@ -111,7 +117,8 @@ def _factors(scheduler) -> list:
 
 
 def save(job, optimizer, scheduler, scaler, state: LoopState) -> None:
-    """A complete checkpoint of this step; old ones pruned to --save_total_limit."""
+    """A complete checkpoint of this step; old ones pruned to --save_total_limit, except the
+    best one (--metric_for_best_model), named in best_checkpoint.json."""
     folder = ckpt.checkpoint_dir(job.run_dir, state.step)
     payload = state.to_json(len(job.train_data), scheduler, scaler)
     method_state = job.method.state_dict() if is_online(job.method) else None
@@ -119,5 +126,8 @@ def save(job, optimizer, scheduler, scaler, state: LoopState) -> None:
         folder, job.strategy, job.model, optimizer, payload, job.tokenizer, method_state
     )
     if job.strategy.ctx.is_main:
-        for removed in ckpt.prune_checkpoints(job.run_dir, job.output.save_total_limit):
+        best = job.best.folder(job.run_dir, state) if job.best else None
+        for removed in ckpt.prune_checkpoints(job.run_dir, job.output.save_total_limit, best):
             job.log(f"removed old checkpoint {removed.name}")
+        if job.best:
+            job.best.write(job.run_dir, state)

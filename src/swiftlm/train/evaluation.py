@@ -1,0 +1,156 @@
+"""What the loop evaluates every --eval_steps, and which checkpoint is the best so far.
+
+Two kinds of evaluation, logged on one metrics.jsonl line:
+- the validation loss (`eval_loss`, the method's own loss on --val_dataset, every rank);
+- generation tasks (`--eval_dataset`, the tasks of `swiftlm eval`): rank 0 runs them on the
+  live model through the serving engine (no copy of the weights) and sends the scores to the
+  other ranks, logged as `eval/<task>/<metric>`. The tasks' rows are read and validated
+  before step 1, like the training data.
+
+`--metric_for_best_model` names one logged value; the checkpoint saved at the step with its
+best value is kept by --save_total_limit and named in best_checkpoint.json.
+"""
+
+import json
+import math
+from pathlib import Path
+
+from swiftlm.checkpoint import checkpoint_dir
+from swiftlm.config.sections_eval import TrainEvalArguments
+from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
+from swiftlm.errors import ConfigError
+from swiftlm.eval.backend import LocalBackend, Sampling
+from swiftlm.eval.runner import EvalSettings, run_task
+from swiftlm.eval.summary import summarize
+from swiftlm.eval.task_file import check_not_empty, load_tasks
+from swiftlm.methods.reference import unwrapped
+
+BEST_CHECKPOINT = "best_checkpoint.json"
+# Judge tasks need a judge server, which a training run has no flag for.
+TRAINING_TASK_KINDS = ("generation", "perplexity", "multiple_choice", "code")
+
+
+class GenerationEvaluator:
+    """--eval_dataset's tasks, run on the model being trained."""
+
+    def __init__(
+        self, settings: TrainEvalArguments, tasks, tokenizer, max_model_len: int, seed: int
+    ):
+        self.settings = settings
+        self.tasks = tasks
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.engine: ContinuousEngine | None = None
+
+    def evaluate(self, model) -> dict[str, float]:
+        policy = unwrapped(model)
+        was_training = policy.training
+        if self.engine is None or self.engine.model is not policy:
+            self.engine = ContinuousEngine(
+                policy,
+                self.tokenizer,
+                stop_token_ids=stop_token_ids(self.tokenizer, policy),
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+            )
+        backend = LocalBackend(self.engine, "the model being trained")
+        sampling = Sampling(max_new_tokens=self.settings.eval_max_new_tokens, seed=self.seed)
+        chat = bool(getattr(self.tokenizer, "chat_template", None))
+        values: dict[str, float] = {}
+        try:
+            policy.eval()
+            for task in self.tasks:
+                run = run_task(task, backend, EvalSettings(sampling), chat=chat)
+                summary = summarize(run, 0.95, 1000, self.seed)
+                for metric, value in summary["metrics"].items():
+                    values[f"eval/{task.name}/{metric}"] = value["mean"]
+        finally:
+            policy.train(was_training)
+        return values
+
+    def evaluate_on_ranks(self, model, ctx) -> dict[str, float]:
+        """Rank 0 evaluates; every rank returns its scores (to log and to pick the best)."""
+        values = self.evaluate(model) if ctx.is_main else None
+        return ctx.broadcast_object(values)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def whole_model_on_each_rank(strategy) -> bool:
+    """One process or DDP: rank 0 holds the whole model and can generate alone. FSDP2, tensor
+    and pipeline parallel and DeepSpeed need every rank in each forward pass."""
+    dims = getattr(strategy, "dims", None)
+    return dims is not None and not dims.sharded and dims.pp == 1
+
+
+def build_generation_evaluator(cfg, tokenizer, strategy) -> GenerationEvaluator | None:
+    """The evaluator of --eval_dataset (tasks loaded and checked now), or None without one."""
+    settings: TrainEvalArguments = cfg.evaluation
+    if not settings.eval_dataset:
+        return None
+    if not whole_model_on_each_rank(strategy):
+        raise ConfigError(
+            f"--eval_dataset during training runs on one process or DDP; this run ({strategy}) "
+            "splits the model over ranks. Evaluate its checkpoints with `swiftlm eval "
+            "--ckpt_dir RUN/checkpoints/step-N` instead"
+        )
+    placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
+    tasks = load_tasks(settings.eval_dataset, settings.eval_limit, placeholders)
+    check_not_empty(tasks)
+    for task in tasks:
+        if task.kind not in TRAINING_TASK_KINDS:
+            raise ConfigError(
+                f"--eval_dataset {task.source}: {task.kind} tasks are not run during training "
+                f"(they need a judge server); use them with `swiftlm eval`"
+            )
+    max_model_len = cfg.data.max_length + settings.eval_max_new_tokens
+    return GenerationEvaluator(settings, tasks, tokenizer, max_model_len, cfg.train.seed)
+
+
+class BestCheckpoint:
+    """The best value of --metric_for_best_model so far, and the step that had it."""
+
+    def __init__(self, settings: TrainEvalArguments):
+        self.metric = settings.metric_for_best_model
+        self.higher = settings.higher_is_better
+
+    def update(self, state, evaluated: dict[str, float]) -> None:
+        if not self.metric:
+            return
+        if self.metric not in evaluated:
+            raise ConfigError(
+                f"--metric_for_best_model {self.metric}: not among the evaluated values "
+                f"({', '.join(sorted(evaluated))}); name one of them"
+            )
+        value = evaluated[self.metric]
+        if not math.isfinite(value):
+            return
+        best = state.best_metric
+        if best is None or (value > best if self.higher else value < best):
+            state.best_metric, state.best_step = value, state.step
+
+    def folder(self, run_dir: Path, state) -> Path | None:
+        """The best step's checkpoint folder, when that step was saved."""
+        if not self.metric or state.best_step is None:
+            return None
+        folder = checkpoint_dir(run_dir, state.best_step)
+        return folder if folder.is_dir() else None
+
+    def write(self, run_dir: Path, state) -> None:
+        folder = self.folder(run_dir, state)
+        if folder is None:
+            return
+        record = {
+            "metric": self.metric,
+            "value": state.best_metric,
+            "step": state.best_step,
+            "checkpoint": str(folder.relative_to(run_dir)),
+            "greater_is_better": self.higher,
+        }
+        path = run_dir / BEST_CHECKPOINT
+        path.with_suffix(".tmp").write_text(json.dumps(record, indent=2) + "\n")
+        path.with_suffix(".tmp").replace(path)
