@@ -16,6 +16,7 @@ from swiftlm.eval.compare import (
     comparison_to_json,
     format_comparison,
     load_results,
+    lower_is_better,
     verdict,
 )
 from swiftlm.eval.stats import (
@@ -306,6 +307,22 @@ def test_lower_is_better_metrics_flip_the_verdict(tmp_path):
     row = compare_results(a, b, resamples=500).rows[0]
     assert row.lower_is_better and row.result.diff == pytest.approx(-0.5)
     assert row.verdict.startswith("B better")
+
+
+@pytest.mark.parametrize(
+    "metric, lower",
+    [
+        ("nll_per_token", True),
+        ("perplexity", True),
+        ("eval_loss", True),
+        ("wer", True),
+        ("answer_match", False),  # "wer" inside a word is not the word error rate
+        ("rouge_l", False),
+        ("pass@1", False),
+    ],
+)
+def test_lower_is_better_reads_whole_words(metric, lower):
+    assert lower_is_better(metric) is lower
 
 
 def test_verdict_without_significance(tmp_path):

@@ -11,6 +11,7 @@ skipped with the reason.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -178,7 +179,9 @@ def comparison_to_json(c: Comparison) -> dict:
 def lower_is_better(metric: str) -> bool:
     """Whether a smaller value of `metric` is the better one (nll, perplexity, error...)."""
     name = metric.lower()
-    return any(part in name for part in _LOWER_IS_BETTER)
+    # Whole words of the name: "answer_match" holds "wer" as letters, not as a word.
+    words = re.split(r"[^a-z0-9]+", name)
+    return any(word in _LOWER_IS_BETTER for word in words)
 
 
 def verdict(result: PairedDifference, *, confidence: float, lower_better: bool) -> str:
