@@ -240,3 +240,30 @@ def test_missing_lm_eval_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import` sees when not installed
     with pytest.raises(ConfigError, match=r"pip install 'swiftlm\[eval\]'"):
         require_lm_eval()
+
+
+def test_swiftlm_eval_command_runs_lm_eval_tasks(both_runs, task_files, tiny_model_dir, tmp_path):
+    """`swiftlm eval --eval_backend lm_eval`: lm-eval's metrics in summary.json as lm-eval
+    computes them, and per-document records that the bootstrap and --compare read."""
+    import json
+
+    from swiftlm.cli.main import main
+    from swiftlm.eval.lm_eval_bridge import flatten_results
+
+    out = tmp_path / "out"
+    argv = ["eval", "--model", str(tiny_model_dir), "--torch_dtype", "float32"]
+    argv += ["--eval_backend", "lm_eval", "--eval_dataset", *map(str, task_files)]
+    assert main([*argv, "--eval_output_dir", str(out), "--seed", "0"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    expected = flatten_results(both_runs[1])  # lm-eval's HF backend
+    assert summary["lm_eval"]["metrics"] == expected
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 20 and {r["task"] for r in records} == {"tiny_gen", "tiny_mc"}
+    for task, metrics in expected.items():
+        for metric, value in metrics.items():
+            assert summary["tasks"][task]["metrics"][metric]["mean"] == pytest.approx(value)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (
+        manifest["backend"].startswith("lm_eval 0.4")
+        and manifest["model"]["compute_dtype"] == "float32"
+    )

@@ -59,7 +59,7 @@ def run_lm_eval_backend(cfg: EvalConfig) -> dict:
         {k: results[k] for k in ("results", "configs", "versions", "n-samples") if k in results},
     )
     manifest = build_manifest(
-        model=local_model_entry(spec, engine.tokenizer),
+        model=local_model_entry(spec, engine),
         sampling=sampling_of(cfg),
         tasks={
             t: {"lm_eval_task": t, "config": results.get("configs", {}).get(t)} for t in metrics

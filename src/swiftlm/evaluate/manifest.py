@@ -48,7 +48,10 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def local_model_entry(spec, tokenizer) -> dict:
+def local_model_entry(spec, engine) -> dict:
+    """The loaded model: `torch_dtype` as asked (auto ...) and `compute_dtype` as resolved, since
+    greedy answers in bfloat16 can depend on how requests were batched."""
+    tokenizer = engine.tokenizer
     return {
         "description": spec.description,
         "base": spec.base_path,
@@ -57,6 +60,7 @@ def local_model_entry(spec, tokenizer) -> dict:
         "tokenizer": spec.tokenizer_path,
         "chat_template_sha256": text_sha256(getattr(tokenizer, "chat_template", None)),
         "torch_dtype": spec.torch_dtype,
+        "compute_dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
         "system": spec.system,
     }
 

@@ -5,12 +5,13 @@ then the model loads, then each task runs and its records are written as they fi
 last come the summary (with bootstrap intervals), the manifest and the contamination check.
 """
 
+import dataclasses
 import json
 import time
 from datetime import datetime
 from pathlib import Path
 
-from swiftlm.config import EvalConfig, save_config
+from swiftlm.config import EvalConfig, ModelArguments, RLHFConfig, load_saved_config, save_config
 from swiftlm.config.rules import check
 from swiftlm.errors import ConfigError
 from swiftlm.eval.backend import LocalBackend, Sampling
@@ -43,36 +44,25 @@ def run(cfg: EvalConfig) -> dict:
         return run_compare(cfg)
     if cfg.eval.eval_backend == "lm_eval":
         return run_lm_eval_backend(cfg)
+    spec = None if cfg.eval.eval_url else resolve_inference_model(cfg)
+    cfg = with_run_identity(cfg, spec)
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
     tasks = load_tasks(cfg.eval.eval_dataset, cfg.eval.eval_limit, placeholders)
     check_not_empty(tasks)
-    judge = _judge(cfg) if any(t.kind == "judge" for t in tasks) else None
-    started = datetime.now().isoformat(timespec="seconds")
-    backend, model_entry, spec = open_backend(cfg)
-    out = output_dir(cfg, spec, backend)
-    save_config(cfg, out / "config.yaml")
-    chat = bool(getattr(getattr(backend, "tokenizer", None), "chat_template", True))
     settings = EvalSettings(
         sampling=sampling_of(cfg),
         sandbox_timeout=cfg.eval.sandbox_timeout,
         sandbox_memory_mb=cfg.eval.sandbox_memory_mb,
-        judge=judge,
+        judge=_judge(cfg) if any(t.kind == "judge" for t in tasks) else None,
     )
+    started = datetime.now().isoformat(timespec="seconds")
+    backend, model_entry = open_backend(cfg, spec)
+    out = output_dir(cfg, spec, backend)
+    save_config(cfg, out / "config.yaml")
     print(f"Evaluating {backend.description} on {len(tasks)} task(s); results: {out}", flush=True)
-    summary, entries = {}, {}
     wall = time.perf_counter()
     try:
-        with (out / PREDICTIONS).open("w", encoding="utf-8") as predictions:
-            for task in tasks:
-                print(f"{task.name}: {len(task.samples)} {task.kind} samples ...", flush=True)
-                result = run_task(task, backend, settings, chat=chat)
-                for record in result.records:
-                    predictions.write(json.dumps(record, ensure_ascii=False) + "\n")
-                predictions.flush()
-                summary[task.name] = summarize(
-                    result, cfg.eval.confidence, cfg.eval.bootstrap_resamples, cfg.infer.seed
-                )
-                entries[task.name] = task_entry(task, "chat" if chat else "completion")
+        summary, entries = run_tasks(cfg, tasks, backend, settings, out / PREDICTIONS)
     finally:
         backend.close()
     report = {"tasks": summary, "wall_s": round(time.perf_counter() - wall, 1)}
@@ -95,6 +85,45 @@ def run(cfg: EvalConfig) -> dict:
     return report
 
 
+def run_tasks(cfg: EvalConfig, tasks, backend, settings: EvalSettings, path: Path):
+    """Each task in turn, its records written as soon as it is done; (summary, manifest
+    entries) by task name."""
+    chat = bool(getattr(getattr(backend, "tokenizer", None), "chat_template", True))
+    summary, entries = {}, {}
+    with path.open("w", encoding="utf-8") as predictions:
+        for task in tasks:
+            print(f"{task.name}: {len(task.samples)} {task.kind} samples ...", flush=True)
+            result = run_task(task, backend, settings, chat=chat)
+            for record in result.records:
+                predictions.write(json.dumps(record, ensure_ascii=False) + "\n")
+            predictions.flush()
+            summary[task.name] = summarize(
+                result, cfg.eval.confidence, cfg.eval.bootstrap_resamples, cfg.infer.seed
+            )
+            entries[task.name] = task_entry(task, "chat" if chat else "completion")
+    return summary, entries
+
+
+def with_run_identity(cfg: EvalConfig, spec) -> EvalConfig:
+    """A run's --model_name/--model_author fill the probes' {{NAME}} and {{AUTHOR}} (the name
+    the run taught), unless this command sets them."""
+    saved = Path(spec.ckpt_dir) / "config.yaml" if spec is not None and spec.ckpt_dir else None
+    if saved is None or not saved.is_file():
+        return cfg
+    run_model = load_saved_config(RLHFConfig, saved).model
+    defaults = ModelArguments()
+    model = dataclasses.replace(
+        cfg.model,
+        model_name=run_model.model_name
+        if cfg.model.model_name == defaults.model_name
+        else cfg.model.model_name,
+        model_author=run_model.model_author
+        if cfg.model.model_author == defaults.model_author
+        else cfg.model.model_author,
+    )
+    return dataclasses.replace(cfg, model=model)
+
+
 def sampling_of(cfg: EvalConfig) -> Sampling:
     gen = cfg.generation
     return Sampling(
@@ -107,21 +136,19 @@ def sampling_of(cfg: EvalConfig) -> Sampling:
     )
 
 
-def open_backend(cfg: EvalConfig):
-    """(backend, the manifest's model entry, the resolved local model or None)."""
-    if cfg.eval.eval_url:
+def open_backend(cfg: EvalConfig, spec):
+    """(backend, the manifest's model entry): the served model, or `spec` loaded locally."""
+    if spec is None:
         backend = EndpointBackend(
             cfg.eval.eval_url,
             cfg.model.model,
             cfg.eval.api_key,
             concurrency=cfg.infer.max_batch_size,
         )
-        return backend, endpoint_model_entry(backend), None
-    spec = resolve_inference_model(cfg)
+        return backend, endpoint_model_entry(backend)
     print(f"Loading {spec.description}", flush=True)
     engine = engine_for_model(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
-    backend = LocalBackend(engine, spec.description)
-    return backend, local_model_entry(spec, engine.tokenizer), spec
+    return LocalBackend(engine, spec.description), local_model_entry(spec, engine)
 
 
 def _judge(cfg: EvalConfig) -> EndpointBackend:
