@@ -172,8 +172,9 @@ def test_generation_records_summary_and_manifest(tiny_model_dir, tmp_path):
     assert task["source_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
     assert manifest["model"]["chat_template_sha256"] and manifest["versions"]["torch"]
     # the saved config reruns the same evaluation
-    saved = (tmp_path / "a" / "config.yaml").read_text()
-    assert "eval_dataset" in saved and "seed: 3" in saved
+    rerun = tmp_path / "rerun"
+    assert main(["eval", str(tmp_path / "a" / "config.yaml"), "--eval_output_dir", str(rerun)]) == 0
+    assert [r["prediction"] for r in records(rerun)] == [r["prediction"] for r in first]
 
 
 def start_deploy(model_dir: Path):

@@ -241,9 +241,15 @@ def config_to_dict(config: Any) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(config)
 
 
-def save_config(config: Any, path: Path) -> None:
+def save_config(config: Any, path: Path, unused: frozenset = frozenset()) -> None:
+    """Write `config` as YAML, leaving out the flags its command does not use (`unused`, from
+    UNUSED_FLAGS), so that the file can be given back to the same command."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(config_to_dict(config), sort_keys=False, allow_unicode=True)
+    sections = {
+        name: {key: value for key, value in fields.items() if key not in unused}
+        for name, fields in config_to_dict(config).items()
+    }
+    text = yaml.safe_dump(sections, sort_keys=False, allow_unicode=True)
     path.write_text(text, encoding="utf-8")
 
 

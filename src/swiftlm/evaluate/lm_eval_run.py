@@ -10,7 +10,7 @@ import json
 import time
 from datetime import datetime
 
-from swiftlm.config import EvalConfig, save_config
+from swiftlm.config import UNUSED_FLAGS, EvalConfig, save_config
 from swiftlm.errors import ConfigError
 from swiftlm.eval.lm_eval_bridge import flatten_results, flatten_stderrs, run_lm_eval
 from swiftlm.eval.stats import bootstrap_interval
@@ -33,7 +33,7 @@ def run_lm_eval_backend(cfg: EvalConfig) -> dict:
     print(f"Loading {spec.description}", flush=True)
     engine = engine_for_model(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
     out = output_dir(cfg, spec, None)
-    save_config(cfg, out / "config.yaml")
+    save_config(cfg, out / "config.yaml", UNUSED_FLAGS["eval"])
     wall = time.perf_counter()
     try:
         results = run_lm_eval(

@@ -11,7 +11,14 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from swiftlm.config import EvalConfig, ModelArguments, RLHFConfig, load_saved_config, save_config
+from swiftlm.config import (
+    UNUSED_FLAGS,
+    EvalConfig,
+    ModelArguments,
+    RLHFConfig,
+    load_saved_config,
+    save_config,
+)
 from swiftlm.config.rules import check
 from swiftlm.errors import ConfigError
 from swiftlm.eval.backend import LocalBackend, Sampling
@@ -58,7 +65,7 @@ def run(cfg: EvalConfig) -> dict:
     started = datetime.now().isoformat(timespec="seconds")
     backend, model_entry = open_backend(cfg, spec)
     out = output_dir(cfg, spec, backend)
-    save_config(cfg, out / "config.yaml")
+    save_config(cfg, out / "config.yaml", UNUSED_FLAGS["eval"])
     print(f"Evaluating {backend.description} on {len(tasks)} task(s); results: {out}", flush=True)
     wall = time.perf_counter()
     try:
