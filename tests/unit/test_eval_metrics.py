@@ -107,6 +107,19 @@ def test_task_yaml_sets_metrics_extraction_and_reads_data_relative_to_it(tmp_pat
     assert len(task.source_sha256) == 64
 
 
+def test_question_answer_rows_are_generation_tasks(tmp_path):
+    path = write(
+        tmp_path / "gsm.jsonl",
+        [{"question": "Ann has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"}],
+    )
+    (task,) = load_tasks([str(path)], None, {})
+    assert task.kind == "generation" and task.samples[0].reference.endswith("#### 7")
+    assert task.samples[0].prompt == [
+        {"role": "user", "content": "Ann has 3 apples and buys 4. How many?"}
+    ]
+    assert numeric_match("so she has 7 apples", task.samples[0]) == 1.0
+
+
 @pytest.mark.bad_input(
     input="`swiftlm eval` task YAML with an unknown key, kind or metric, or no dataset",
     outcome="Error naming the YAML file and the key, with the accepted ones",

@@ -4,8 +4,8 @@ A task is a kind plus samples. The kind decides how a sample is scored:
 
 - `perplexity`: the model's negative log-likelihood of a text (column `text`);
 - `generation`: an answer generated for a conversation, scored against its reference
-  (`messages` ending with the reference answer, or `query`/`response`, `prompt`/`completion`,
-  `question`/`answer`; optional `answers`, a list of accepted short answers);
+  (`messages` ending with the reference answer, any chat format training reads, or
+  `question`/`answer`, `prompt`/`completion`; optional `answers`, accepted short answers);
 - `multiple_choice`: the choice the model finds most likely (`question` + `choices` +
   `answer`, the right choice's index or letter);
 - `code`: a HumanEval-format problem (`prompt` + `test` + `entry_point`), the generated
@@ -140,9 +140,24 @@ def _strings(record: dict, key: str, placeholders: dict[str, str]) -> tuple[str,
     return tuple(_fill(v, placeholders) for v in value)
 
 
+# Evaluation sets often come as a question and its answer (GSM8K, TriviaQA) or a prompt and
+# its completion: one user turn and the reference.
+QA_COLUMNS = (("question", "answer"), ("prompt", "completion"))
+
+
+def _qa_messages(record: dict) -> list[dict] | None:
+    for prompt, answer in QA_COLUMNS:
+        if isinstance(record.get(prompt), str) and isinstance(record.get(answer), str):
+            if not record[prompt].strip():
+                raise RowError("empty prompt", f"'{prompt}' is empty")
+            user = {"role": "user", "content": record[prompt]}
+            return [user, {"role": "assistant", "content": record[answer]}]
+    return None
+
+
 def generation_row(record: dict, placeholders: dict[str, str]) -> dict:
     """A conversation whose last assistant message (if any) is the reference answer."""
-    messages = to_messages(record, require_answer=False)
+    messages = _qa_messages(record) or to_messages(record, require_answer=False)
     messages = [{**m, "content": _fill(m["content"], placeholders)} for m in messages]
     reference = None
     if messages[-1]["role"] == "assistant":
