@@ -115,3 +115,34 @@ def test_generation_evaluation_needs_the_whole_model_on_rank_0():
     assert not whole_model_on_each_rank(Fake(ParallelDims(pp=1, dp=2, tp=1, data_parallel="fsdp2")))
     assert not whole_model_on_each_rank(Fake(ParallelDims(pp=1, dp=1, tp=2, data_parallel="ddp")))
     assert not whole_model_on_each_rank(object())  # DeepSpeed: no mesh of swiftlm's
+
+
+def test_ddp_ranks_agree_on_the_scores_and_the_best_step(tiny_model_dir, chat_jsonl, tmp_path):
+    """Rank 0 generates and sends the scores; both ranks pick the same best checkpoint, and the
+    scores equal a single process's (DDP trains the same weights)."""
+    texts = write_jsonl(tmp_path / "texts.jsonl", TEXTS)
+    qa = write_jsonl(tmp_path / "qa.jsonl", QA)
+    flags = dict(
+        max_steps=4,
+        save_steps=2,
+        lora_dropout=0,
+        learning_rate=1e-2,
+        eval_dataset=[texts, qa],
+        eval_max_new_tokens=6,
+        metric_for_best_model="eval/texts/nll_per_token",
+    )
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, single, per_device_train_batch_size=2, **flags))
+        == 0
+    )
+    argv = tiny_sft(tiny_model_dir, chat_jsonl, ddp, per_device_train_batch_size=1, **flags)
+    assert main([*argv, "--nproc_per_node", "2", "--master_port", "29961"]) == 0
+    for a, b in zip(eval_rows(single), eval_rows(ddp), strict=True):
+        assert b["eval/texts/nll_per_token"] == pytest.approx(
+            a["eval/texts/nll_per_token"], abs=1e-4
+        )
+    assert (
+        json.loads((ddp / "best_checkpoint.json").read_text())["step"]
+        == json.loads((single / "best_checkpoint.json").read_text())["step"]
+    )
