@@ -54,21 +54,24 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
 
 
-def test_perplexity_equals_transformers(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """The tiny model and tokenizer as plain transformers objects, in fp32: the independent
+    side of the numeric checks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    data = write_jsonl(tmp_path / "texts.jsonl", TEXTS)
-    summary = evaluate(
-        tmp_path / "out",
-        "--model",
-        tiny_model_dir,
-        "--eval_dataset",
-        data,
-        "--torch_dtype",
-        "float32",
-    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def evaluate_fp32(out: Path, model_dir: Path, data: Path) -> dict:
+    return evaluate(out, "--model", model_dir, "--eval_dataset", data, "--torch_dtype", "float32")
+
+
+def test_perplexity_equals_transformers(tiny_model_dir, reference, tmp_path):
+    data = write_jsonl(tmp_path / "texts.jsonl", TEXTS)
+    summary = evaluate_fp32(tmp_path / "out", tiny_model_dir, data)
+    model, tokenizer = reference
     total_nll = total_tokens = 0.0
     for row, record in zip(TEXTS, records(tmp_path / "out"), strict=True):
         ids = tokenizer(row["text"], return_tensors="pt").input_ids
@@ -83,14 +86,11 @@ def test_perplexity_equals_transformers(tiny_model_dir, tmp_path):
     assert perplexity["low"] <= perplexity["mean"] <= perplexity["high"]
 
 
-def test_a_text_longer_than_the_context_is_scored_in_windows(tiny_model_dir, tmp_path):
+def test_a_text_longer_than_the_context_is_scored_in_windows(reference):
     """Windows overlap by one token, so every token after the first is predicted once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from swiftlm.eval.loglik import text_nll
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model, tokenizer = reference
     text = TEXTS[1]["text"]
     n = len(tokenizer(text)["input_ids"])
     ids = tokenizer(text)["input_ids"]
@@ -104,21 +104,10 @@ def test_a_text_longer_than_the_context_is_scored_in_windows(tiny_model_dir, tmp
     assert windowed.nll == pytest.approx(expected, abs=1e-4)
 
 
-def test_multiple_choice_picks_the_likeliest_choice(tiny_model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def test_multiple_choice_picks_the_likeliest_choice(tiny_model_dir, reference, tmp_path):
     data = write_jsonl(tmp_path / "mc.jsonl", CHOICES)
-    summary = evaluate(
-        tmp_path / "out",
-        "--model",
-        tiny_model_dir,
-        "--eval_dataset",
-        data,
-        "--torch_dtype",
-        "float32",
-    )
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    summary = evaluate_fp32(tmp_path / "out", tiny_model_dir, data)
+    model, tokenizer = reference
     correct = 0
     for row, record in zip(CHOICES, records(tmp_path / "out"), strict=True):
         context = f"Question: {row['question']}\nAnswer:"

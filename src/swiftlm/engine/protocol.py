@@ -74,6 +74,27 @@ class SamplingParams:
         return None
 
 
+def user_sampling(
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    repetition_penalty: float,
+    seed: int | None = None,
+) -> SamplingParams:
+    """The sampling of `--temperature`, `--top_p` ...: greedy at temperature 0, where top-p and
+    top-k would change nothing but are kept off so the request reads as greedy."""
+    sampled = temperature > 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p if sampled else 1.0,
+        top_k=top_k if sampled else 0,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+    )
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]

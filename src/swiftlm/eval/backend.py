@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from swiftlm.engine.continuous import ContinuousEngine
-from swiftlm.engine.protocol import GenerationRequest, SamplingParams
+from swiftlm.engine.protocol import GenerationRequest, SamplingParams, user_sampling
 from swiftlm.eval.loglik import ContinuationScore, TextNll, continuation_logprobs, text_nll
 
 
@@ -27,14 +27,13 @@ class Sampling:
     seed: int = 42
 
     def engine_params(self, max_tokens: int) -> SamplingParams:
-        sampled = self.temperature > 0
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p if sampled else 1.0,
-            top_k=self.top_k if sampled else 0,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
+        return user_sampling(
+            max_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.repetition_penalty,
+            self.seed,
         )
 
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from swiftlm.config import GenerationArguments, ModelArguments
 from swiftlm.engine.continuous import ContinuousEngine
-from swiftlm.engine.protocol import GenerationRequest, SampleDelta, SamplingParams
+from swiftlm.engine.protocol import GenerationRequest, SampleDelta, SamplingParams, user_sampling
 from swiftlm.infer.engine import build_engine
 from swiftlm.infer.resolve import InferenceModel
 
@@ -122,11 +122,4 @@ class ChatEngine:
 
 def sampling_params(gen: GenerationArguments, max_tokens: int) -> SamplingParams:
     """`--temperature` etc. as engine sampling; top-p/top-k only apply when sampling."""
-    sampled = gen.temperature > 0
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=gen.temperature,
-        top_p=gen.top_p if sampled else 1.0,
-        top_k=gen.top_k if sampled else 0,
-        repetition_penalty=gen.repetition_penalty,
-    )
+    return user_sampling(max_tokens, gen.temperature, gen.top_p, gen.top_k, gen.repetition_penalty)
