@@ -346,3 +346,23 @@ def test_eval_flag_rules(tmp_path, capsys):
         )
     assert main(["eval", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "share no samples" in capsys.readouterr().err
+
+
+def test_a_reward_model_is_pointed_to_scoring(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    folder = tmp_path / "rm"
+    tokenizer = build_tokenizer(folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    data = write_jsonl(tmp_path / "qa.jsonl", QA)
+    assert main(["eval", "--model", str(folder), "--eval_dataset", str(data)]) == 2
+    assert "swiftlm infer --task score" in capsys.readouterr().err

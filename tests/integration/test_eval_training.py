@@ -146,3 +146,17 @@ def test_ddp_ranks_agree_on_the_scores_and_the_best_step(tiny_model_dir, chat_js
         json.loads((ddp / "best_checkpoint.json").read_text())["step"]
         == json.loads((single / "best_checkpoint.json").read_text())["step"]
     )
+
+
+@pytest.mark.bad_input(
+    input="`--eval_dataset` when training a reward model (`swiftlm rlhf --rlhf_type rm`)",
+    outcome="Error before training: a score head generates no text; what it is validated on",
+)
+def test_reward_models_are_not_given_generation_tasks(tiny_model_dir, tmp_path, capsys):
+    pairs = [{"prompt": "Hi", "chosen": "Hello! How can I help?", "rejected": "Go."}] * 4
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    texts = write_jsonl(tmp_path / "texts.jsonl", TEXTS)
+    argv = tiny_sft(tiny_model_dir, data, tmp_path / "rm", max_steps=1, eval_dataset=texts)
+    argv[0:1] = ["rlhf", "--rlhf_type", "rm"]
+    assert main(argv) == 2
+    assert "trains a score head, which generates no text" in capsys.readouterr().err

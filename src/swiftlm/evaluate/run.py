@@ -43,6 +43,7 @@ from swiftlm.evaluate.manifest import (
 from swiftlm.evaluate.output import PREDICTIONS, output_dir, resolve_compare_folder, write_json
 from swiftlm.infer.frontend import engine_for_model
 from swiftlm.infer.resolve import resolve_inference_model
+from swiftlm.infer.score import is_reward_model
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -52,6 +53,7 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.eval.eval_backend == "lm_eval":
         return run_lm_eval_backend(cfg)
     spec = None if cfg.eval.eval_url else resolve_inference_model(cfg)
+    refuse_reward_model(spec)
     cfg = with_run_identity(cfg, spec)
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
     tasks = load_tasks(cfg.eval.eval_dataset, cfg.eval.eval_limit, placeholders)
@@ -109,6 +111,15 @@ def run_tasks(cfg: EvalConfig, tasks, backend, settings: EvalSettings, path: Pat
             )
             entries[task.name] = task_entry(task, "chat" if chat else "completion")
     return summary, entries
+
+
+def refuse_reward_model(spec) -> None:
+    """A reward model scores conversations and generates nothing: its tasks are not these."""
+    if spec is not None and is_reward_model(spec):
+        raise ConfigError(
+            f"{spec.description} is a reward model (a score head, no text to generate); score "
+            "conversations with `swiftlm infer --task score --val_dataset FILE` instead"
+        )
 
 
 def with_run_identity(cfg: EvalConfig, spec) -> EvalConfig:

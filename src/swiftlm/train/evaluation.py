@@ -24,6 +24,7 @@ from swiftlm.eval.runner import EvalSettings, run_task
 from swiftlm.eval.summary import summarize
 from swiftlm.eval.task_file import check_not_empty, load_tasks
 from swiftlm.methods.reference import unwrapped
+from swiftlm.models.loader import CAUSAL_LM
 
 BEST_CHECKPOINT = "best_checkpoint.json"
 # Judge tasks need a judge server, which a training run has no flag for.
@@ -87,11 +88,16 @@ def whole_model_on_each_rank(strategy) -> bool:
     return dims is not None and not dims.sharded and dims.pp == 1
 
 
-def build_generation_evaluator(cfg, tokenizer, strategy) -> GenerationEvaluator | None:
+def build_generation_evaluator(cfg, tokenizer, strategy, method) -> GenerationEvaluator | None:
     """The evaluator of --eval_dataset (tasks loaded and checked now), or None without one."""
     settings: TrainEvalArguments = cfg.evaluation
     if not settings.eval_dataset:
         return None
+    if getattr(method, "model_kind", CAUSAL_LM) != CAUSAL_LM:
+        raise ConfigError(
+            f"--eval_dataset: {method.name} trains a score head, which generates no text; its "
+            "validation is eval_loss and eval_rewards/accuracies on --val_dataset"
+        )
     if not whole_model_on_each_rank(strategy):
         raise ConfigError(
             f"--eval_dataset during training runs on one process or DDP; this run ({strategy}) "

@@ -77,7 +77,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     tokenizer = load_tokenizer(resolved.path)
     method = method_cls(cfg, tokenizer)
     train_data, val_data, truncation = prepare_data(cfg, method, tokenizer, ctx, log)
-    evaluator = build_generation_evaluator(cfg, tokenizer, strategy)
+    evaluator = build_generation_evaluator(cfg, tokenizer, strategy, method)
     set_seed(cfg.train.seed)  # the same initial weights on every rank
     kind = getattr(method, "model_kind", CAUSAL_LM)  # a reward model: sequence classification
     model = prepare_model(cfg, resolved.path, device, compute_dtype, kind, tokenizer.pad_token_id)
