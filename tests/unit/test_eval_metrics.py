@@ -131,6 +131,8 @@ def test_bad_task_yaml_is_refused_with_the_file_and_key(tmp_path):
         "dataset: d.jsonl\nkind: essay\n": "kind 'essay' is not one of",
         "dataset: d.jsonl\nmetrics: [accuracy]\n": "unknown metric accuracy",
         "task: x\n": "no `dataset:` key",
+        "dataset: d.jsonl\nkind: multiple_choice\ntemplate: 'Q: {q}'\n": "cannot be filled",
+        "dataset: d.jsonl\nkind: multiple_choice\ntemplate: 'Answer:'\n": "has no {question}",
     }
     for text, message in cases.items():
         (tmp_path / "t.yaml").write_text(text)

@@ -105,17 +105,14 @@ def run_multiple_choice(
     task: Task, backend: Backend, settings: EvalSettings, chat: bool
 ) -> list[dict]:
     template = task.options.get("template", MC_TEMPLATE)
-    pairs, owners = [], []
-    for index, sample in enumerate(task.samples):
+    pairs = []
+    for sample in task.samples:
         context = template.format(question=sample.prompt)
-        for choice in sample.choices:
-            pairs.append((context, " " + choice))
-            owners.append(index)
-    scores = backend.continuation_logprobs(pairs)
+        pairs += [(context, " " + choice) for choice in sample.choices]
+    scores = iter(backend.continuation_logprobs(pairs))  # in the order of `pairs`
     records = []
-    for index, sample in enumerate(task.samples):
-        mine = [s for s, owner in zip(scores, owners, strict=True) if owner == index]
-        logprobs = [s.logprob for s in mine]
+    for sample in task.samples:
+        logprobs = [next(scores).logprob for _ in sample.choices]
         # acc_norm as lm-eval: the log-prob per byte of the choice, so long choices are fair
         normed = [
             lp / len((" " + c).encode()) for lp, c in zip(logprobs, sample.choices, strict=True)

@@ -100,6 +100,7 @@ def task_from_yaml(path: Path, placeholders: dict[str, str]) -> Task:
         data = str(path.parent / data)  # relative to the YAML, like lm-eval's data_files
     extraction = str(spec.get("extraction", "strip"))
     extractor(extraction, where)  # a bad rule fails now, not after generating
+    _check_template(spec.get("template"), where)
     metrics = tuple(spec.get("metrics") or ())
     if metrics:
         check_metric_names(metrics, where)
@@ -114,6 +115,21 @@ def task_from_yaml(path: Path, placeholders: dict[str, str]) -> Task:
     if metrics:
         settings["metrics"] = metrics
     return data_task(data, placeholders, **settings)
+
+
+def _check_template(template, where: str) -> None:
+    """A multiple-choice template names the question as {question} and nothing else."""
+    if template is None:
+        return
+    try:
+        filled = str(template).format(question="\0")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"{where}: template {template!r} cannot be filled ({exc!r}); write the question as "
+            "{question} and any literal brace as {{ or }}"
+        ) from None
+    if "\0" not in filled:
+        raise ConfigError(f"{where}: template {template!r} has no {{question}} to fill")
 
 
 def _read_yaml(path: Path, where: str) -> dict:
