@@ -366,3 +366,15 @@ def test_a_reward_model_is_pointed_to_scoring(tmp_path, capsys):
     data = write_jsonl(tmp_path / "qa.jsonl", QA)
     assert main(["eval", "--model", str(folder), "--eval_dataset", str(data)]) == 2
     assert "swiftlm infer --task score" in capsys.readouterr().err
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm eval` sample whose prompt fills the model's context",
+    outcome="Error naming the task, the sample (`file:line`) and the token counts",
+)
+def test_a_prompt_longer_than_the_context_names_its_sample(tiny_model_dir, tmp_path, capsys):
+    rows = [*QA, {"query": "hello " * 5000, "response": "Hi"}]
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    assert main(["eval", "--model", str(tiny_model_dir), "--eval_dataset", str(data)]) == 1
+    error = capsys.readouterr().err
+    assert f"task long, sample {data}:5: a prompt of" in error and "leaves no room" in error

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams, user_sampling
+from swiftlm.errors import DataError
 from swiftlm.eval.loglik import ContinuationScore, TextNll, continuation_logprobs, text_nll
 
 
@@ -34,6 +35,17 @@ class Sampling:
             self.top_k,
             self.repetition_penalty,
             self.seed,
+        )
+
+
+class PromptTooLong(DataError):
+    """A prompt that fills the model's context: no room for an answer."""
+
+    def __init__(self, index: int, tokens: int, limit: int):
+        self.index = index
+        super().__init__(
+            f"a prompt of {tokens} tokens leaves no room to answer within the model's context "
+            f"of {limit} tokens; shorten it or leave it out of the task"
         )
 
 
@@ -80,14 +92,11 @@ class LocalBackend:
 
     def generate(self, prompts, sampling: Sampling, max_new_tokens: int) -> list[str]:
         requests = []
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             ids = self.encode(prompt)
             room = self.engine.max_model_len - len(ids)
             if room < 1:
-                raise ValueError(
-                    f"a prompt of {len(ids)} tokens leaves no room to answer within the "
-                    f"context length of {self.engine.max_model_len} tokens"
-                )
+                raise PromptTooLong(index, len(ids), self.engine.max_model_len)
             params = sampling.engine_params(min(max_new_tokens, room))
             requests.append(GenerationRequest(ids, params))
         return [samples[0].text for samples in self.engine.generate(requests)]

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from swiftlm.eval.backend import Backend, Sampling
+from swiftlm.errors import DataError
+from swiftlm.eval.backend import Backend, PromptTooLong, Sampling
 from swiftlm.eval.extract import extractor
 from swiftlm.eval.metrics import GENERATION_METRICS
 from swiftlm.eval.tasks import Task
@@ -44,7 +45,11 @@ class TaskRun:
 
 def run_task(task: Task, backend: Backend, settings: EvalSettings, chat: bool = True) -> TaskRun:
     start = time.perf_counter()
-    records = RUNNERS[task.kind](task, backend, settings, chat)
+    try:
+        records = RUNNERS[task.kind](task, backend, settings, chat)
+    except PromptTooLong as exc:
+        sample = task.samples[exc.index]
+        raise DataError(f"task {task.name}, sample {sample.id}: {exc}") from None
     return TaskRun(task, records, time.perf_counter() - start)
 
 
