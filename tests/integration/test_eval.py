@@ -306,7 +306,8 @@ def test_judge_swaps_positions_and_measures_consistency(tiny_model_dir, tmp_path
     assert metrics["judge_win_rate"]["mean"] == 0.5  # wins as A, loses as B
     assert metrics["judge_consistency"]["mean"] == 0.0
     first = records(tmp_path / "out")[0]["judge"]
-    assert first == {"model_first": "win", "model_second": "loss"}
+    assert first["model_first"] == "win" and first["model_second"] == "loss"
+    assert first["replies"] == ["Assistant A is better. [[A]]"] * 2
 
 
 @pytest.mark.bad_input(

@@ -191,11 +191,12 @@ def test_quick_suite_is_packaged_and_held_out_from_the_default_training_data():
 def test_judge_verdicts_are_read_from_both_orders():
     assert parse_verdict("A is clearer. [[A]]") == "A" and parse_verdict("[[B]] ... [[C]]") == "C"
     assert parse_verdict("no verdict") is None
-    assert _verdict("[[A]]", "[[B]]") == Verdict("win", "win", 0)
+    assert _verdict("[[A]]", "[[B]]") == Verdict("win", "win", 0, ("[[A]]", "[[B]]"))
     biased = _verdict("[[A]]", "[[A]]")  # always the first answer: the model wins once
     assert biased.scores() == {
         "judge_win_rate": 0.5,
         "judge_consistency": 0.0,
         "judge_unparsed": 0.0,
     }
-    assert _verdict("?", "[[C]]").scores()["judge_unparsed"] == 0.5
+    unread = _verdict("?", "[[C]]").scores()
+    assert unread == {"judge_win_rate": 0.5, "judge_unparsed": 0.5}  # no consistency to claim

@@ -6,7 +6,7 @@ answer wins both times, 0 when it loses both, 0.5 for ties and for disagreements
 two orders; `judge_consistency` is the share of samples where both orders agree, which tells
 how far the judge can be trusted on this task. The prompt and verdict format are MT-Bench's
 pairwise ones ([[A]], [[B]], [[C]] for a tie); a verdict in neither form counts as a tie and
-is counted in `judge_unparsed`.
+is counted in `judge_unparsed` (the sample then has no `judge_consistency`).
 """
 
 import re
@@ -31,6 +31,7 @@ JUDGE_USER = (
 )
 VERDICT = re.compile(r"\[\[([ABC])\]\]")
 JUDGE_MAX_TOKENS = 512
+JUDGE_REPLY_KEPT = 400  # characters of each reply kept in predictions.jsonl (its end: the verdict)
 
 
 @dataclass(frozen=True)
@@ -40,17 +41,26 @@ class Verdict:
     model_first: str
     model_second: str
     unparsed: int
+    replies: tuple[str, ...] = ()  # the judge's own words, model first then model second
 
     def scores(self) -> dict[str, float]:
+        """Consistency only where both verdicts were read: a judge that never answers in the
+        format would otherwise look perfectly consistent (two unread verdicts, two ties)."""
         points = {"win": 1.0, "tie": 0.5, "loss": 0.0}
-        return {
+        scores = {
             "judge_win_rate": (points[self.model_first] + points[self.model_second]) / 2,
-            "judge_consistency": float(self.model_first == self.model_second),
             "judge_unparsed": self.unparsed / 2,
         }
+        if not self.unparsed:
+            scores["judge_consistency"] = float(self.model_first == self.model_second)
+        return scores
 
     def as_json(self) -> dict:
-        return {"model_first": self.model_first, "model_second": self.model_second}
+        return {
+            "model_first": self.model_first,
+            "model_second": self.model_second,
+            "replies": [reply[-JUDGE_REPLY_KEPT:] for reply in self.replies],
+        }
 
 
 def parse_verdict(text: str) -> str | None:
@@ -94,4 +104,5 @@ def _verdict(model_as_a: str, model_as_b: str) -> Verdict:
     first, second = parse_verdict(model_as_a), parse_verdict(model_as_b)
     as_a = {"A": "win", "B": "loss", "C": "tie", None: "tie"}
     as_b = {"A": "loss", "B": "win", "C": "tie", None: "tie"}
-    return Verdict(as_a[first], as_b[second], (first is None) + (second is None))
+    unparsed = (first is None) + (second is None)
+    return Verdict(as_a[first], as_b[second], unparsed, (model_as_a, model_as_b))

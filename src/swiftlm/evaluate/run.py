@@ -89,6 +89,7 @@ def run(cfg: EvalConfig) -> dict:
     )
     write_json(out / "manifest.json", manifest)
     print(format_summary(summary), flush=True)
+    _warn_unread_verdicts(summary)
     _print_contamination(contamination)
     print(f"wall time {report['wall_s']} s; predictions, summary and manifest in {out}", flush=True)
     return report
@@ -198,6 +199,18 @@ def run_compare(cfg: EvalConfig) -> dict:
         write_json(out / "compare.json", result)
         print(f"comparison written to {out / 'compare.json'}", flush=True)
     return result
+
+
+def _warn_unread_verdicts(summary: dict) -> None:
+    for task, result in summary.items():
+        unread = result["metrics"].get("judge_unparsed", {}).get("mean", 0.0)
+        if unread > 0.1:
+            print(
+                f"{task}: {unread:.0%} of the judge's verdicts had no [[A]]/[[B]]/[[C]] and "
+                "count as ties; the judge model is too weak for this prompt, or needs more "
+                "tokens (see the `judge` field of predictions.jsonl)",
+                flush=True,
+            )
 
 
 def _print_contamination(section: dict | None) -> None:
