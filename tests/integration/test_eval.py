@@ -376,6 +376,7 @@ def test_a_reward_model_is_pointed_to_scoring(tmp_path, capsys):
 def test_a_prompt_longer_than_the_context_names_its_sample(tiny_model_dir, tmp_path, capsys):
     rows = [*QA, {"query": "hello " * 5000, "response": "Hi"}]
     data = write_jsonl(tmp_path / "long.jsonl", rows)
-    assert main(["eval", "--model", str(tiny_model_dir), "--eval_dataset", str(data)]) == 1
+    argv = ["eval", "--model", str(tiny_model_dir), "--eval_dataset", str(data)]
+    assert main([*argv, "--eval_output_dir", str(tmp_path / "out")]) == 1
     error = capsys.readouterr().err
     assert f"task long, sample {data}:5: a prompt of" in error and "leaves no room" in error
