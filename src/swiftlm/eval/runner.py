@@ -76,9 +76,14 @@ def _max_tokens(task: Task, settings: EvalSettings) -> int:
     return task.max_new_tokens or settings.sampling.max_new_tokens
 
 
-def run_generation(task: Task, backend: Backend, settings: EvalSettings, chat: bool) -> list[dict]:
+def _answers(task: Task, backend: Backend, settings: EvalSettings) -> list[str]:
+    """Every sample's conversation answered, the task's system prompt first."""
     prompts = [_conversation(task, s.prompt) for s in task.samples]
-    answers = backend.generate(prompts, settings.sampling, _max_tokens(task, settings))
+    return backend.generate(prompts, settings.sampling, _max_tokens(task, settings))
+
+
+def run_generation(task: Task, backend: Backend, settings: EvalSettings, chat: bool) -> list[dict]:
+    answers = _answers(task, backend, settings)
     extract = extractor(task.extraction, f"task {task.name}")
     records = []
     for sample, answer in zip(task.samples, answers, strict=True):
@@ -195,8 +200,7 @@ def run_judge(task: Task, backend: Backend, settings: EvalSettings, chat: bool) 
 
 
 def run_generation_only(task: Task, backend: Backend, settings: EvalSettings) -> list[dict]:
-    prompts = [_conversation(task, s.prompt) for s in task.samples]
-    answers = backend.generate(prompts, settings.sampling, _max_tokens(task, settings))
+    answers = _answers(task, backend, settings)
     return [
         _record(
             task,

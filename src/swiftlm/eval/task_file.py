@@ -100,7 +100,8 @@ def task_from_yaml(path: Path, placeholders: dict[str, str]) -> Task:
         data = str(path.parent / data)  # relative to the YAML, like lm-eval's data_files
     extraction = str(spec.get("extraction", "strip"))
     extractor(extraction, where)  # a bad rule fails now, not after generating
-    _check_template(spec.get("template"), where)
+    _check_template(spec.get("template"), where, "question")
+    _check_template(spec.get("judge_prompt"), where, "question", "answer_a", "answer_b")
     metrics = tuple(spec.get("metrics") or ())
     if metrics:
         check_metric_names(metrics, where)
@@ -117,19 +118,24 @@ def task_from_yaml(path: Path, placeholders: dict[str, str]) -> Task:
     return data_task(data, placeholders, **settings)
 
 
-def _check_template(template, where: str) -> None:
-    """A multiple-choice template names the question as {question} and nothing else."""
+def _check_template(template, where: str, *names: str) -> None:
+    """A prompt template (multiple choice's `template`, a judge's `judge_prompt`) uses each of
+    `names` as {name}, and no other field."""
     if template is None:
         return
+    fields = ", ".join("{" + name + "}" for name in names)
     try:
-        filled = str(template).format(question="\0")
+        filled = str(template).format(**{name: f"\0{name}\0" for name in names})
     except (KeyError, IndexError, ValueError) as exc:
         raise ConfigError(
-            f"{where}: template {template!r} cannot be filled ({exc!r}); write the question as "
-            "{question} and any literal brace as {{ or }}"
+            f"{where}: template {template!r} cannot be filled ({exc!r}); it may use {fields}, "
+            "and a literal brace is written {{ or }}"
         ) from None
-    if "\0" not in filled:
-        raise ConfigError(f"{where}: template {template!r} has no {{question}} to fill")
+    missing = [name for name in names if f"\0{name}\0" not in filled]
+    if missing:
+        raise ConfigError(
+            f"{where}: template {template!r} has no {{{missing[0]}}}; it needs {fields}"
+        )
 
 
 def _read_yaml(path: Path, where: str) -> dict:
