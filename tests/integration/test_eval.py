@@ -380,3 +380,26 @@ def test_a_prompt_longer_than_the_context_names_its_sample(tiny_model_dir, tmp_p
     assert main([*argv, "--eval_output_dir", str(tmp_path / "out")]) == 1
     error = capsys.readouterr().err
     assert f"task long, sample {data}:5: a prompt of" in error and "leaves no room" in error
+
+
+def test_a_run_whose_training_data_moved_is_still_evaluated(tiny_model_dir, tmp_path, capsys):
+    from conftest import tiny_sft
+
+    train = write_jsonl(tmp_path / "train.jsonl", [QA[0], QA[1]] * 4)
+    run = tmp_path / "run"
+    assert main(tiny_sft(tiny_model_dir, train, run, max_steps=1)) == 0
+    data = write_jsonl(tmp_path / "qa.jsonl", QA)
+    out = tmp_path / "seen"
+    flags = ["--eval_dataset", str(data), "--max_new_tokens", "4", "--contamination_ngram", "6"]
+    summary = evaluate(out, "--ckpt_dir", run, *flags)
+    assert summary["contamination"]["tasks"]["qa"]["contaminated"] == 2  # rows 1 and 2 trained on
+    train.unlink()
+    capsys.readouterr()
+    summary = evaluate(tmp_path / "moved", "--ckpt_dir", run, *flags)
+    assert "contamination" not in summary and summary["tasks"]["qa"]["n"] == 4
+    assert "contamination check skipped: the run's training data" in capsys.readouterr().out
+    # named explicitly, the same missing file is an error before the model loads
+    argv = ["eval", "--ckpt_dir", str(run), *flags, "--dataset", str(train)]
+    assert main([*argv, "--eval_output_dir", str(tmp_path / "named")]) == 1
+    assert f"dataset file not found: {train}" in capsys.readouterr().err
+    assert not (tmp_path / "named").exists()

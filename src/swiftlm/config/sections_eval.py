@@ -77,7 +77,8 @@ class EvalArguments:
     bootstrap_resamples: int = doc("Bootstrap resamples per interval.", default=10_000)
     contamination_ngram: int = doc(
         "Contamination check: word n-gram length shared between training and evaluation "
-        "samples that marks an evaluation sample as seen (13, as GPT-3 and lm-eval).",
+        "samples that marks an evaluation sample as seen (13, as GPT-3 and lm-eval); 0 skips "
+        "the check.",
         default=13,
     )
 
@@ -94,7 +95,9 @@ class EvalArguments:
             sandbox_memory_mb=at_least(64),
             confidence=within(0, 1, open_low=True, open_high=True),
             bootstrap_resamples=at_least(100),
-            contamination_ngram=at_least(4),
+            contamination_ngram=custom(
+                lambda v: v == 0 or v >= 4, "--{flag} {value} must be 0 (no check) or at least 4"
+            ),
         )
 
 

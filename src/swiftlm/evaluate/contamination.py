@@ -9,6 +9,7 @@ from pathlib import Path
 
 from swiftlm.config import RLHFConfig, load_saved_config
 from swiftlm.data.sources import parse_dataset_spec, read_rows
+from swiftlm.errors import DataError
 from swiftlm.eval.contamination import build_index, check, texts_of_row
 from swiftlm.eval.tasks import Task
 
@@ -48,12 +49,22 @@ def sample_text(sample) -> str:
 
 
 def contamination_section(cfg, spec, tasks: list[Task], n: int) -> dict | None:
-    """contamination.json's content, or None when no training data is known."""
+    """contamination.json's content, or None when no training data is known.
+
+    Training data named by --dataset must be readable (an error otherwise); a run's own data
+    that has moved since it trained only skips the check, with a line saying why, since the
+    evaluation itself does not need it."""
     specs, origin = training_specs(cfg, spec)
-    if not specs:
+    if not specs or n == 0:
         return None
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
-    index = build_index(training_texts(specs, placeholders), n, min_n=min(n, 8))
+    try:
+        index = build_index(training_texts(specs, placeholders), n, min_n=min(n, 8))
+    except DataError as exc:
+        if origin == "--dataset":
+            raise
+        print(f"contamination check skipped: the run's training data ({origin}) {exc}", flush=True)
+        return None
     per_task, items = {}, {}
     for task in tasks:
         report = check(index, [(s.id, sample_text(s)) for s in task.samples])

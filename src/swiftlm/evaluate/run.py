@@ -58,6 +58,8 @@ def run(cfg: EvalConfig) -> dict:
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
     tasks = load_tasks(cfg.eval.eval_dataset, cfg.eval.eval_limit, placeholders)
     check_not_empty(tasks)
+    # Before the model loads: bad --dataset fails now, not after the evaluation.
+    contamination = contamination_section(cfg, spec, tasks, cfg.eval.contamination_ngram)
     settings = EvalSettings(
         sampling=sampling_of(cfg),
         sandbox_timeout=cfg.eval.sandbox_timeout,
@@ -75,7 +77,6 @@ def run(cfg: EvalConfig) -> dict:
     finally:
         backend.close()
     report = {"tasks": summary, "wall_s": round(time.perf_counter() - wall, 1)}
-    contamination = contamination_section(cfg, spec, tasks, cfg.eval.contamination_ngram)
     if contamination:
         report["contamination"] = contamination["summary"]
         write_json(out / "contamination.json", contamination)
