@@ -339,6 +339,9 @@ def test_eval_flag_rules(tmp_path, capsys):
     assert main(["eval", "--compare", "a", "b", "--eval_dataset", "x.jsonl"]) == 2
     assert "--compare reads two finished evaluations" in capsys.readouterr().err
     assert main(["eval", "--compare", "only-one"]) == 2
+    argv = ["eval", "--eval_backend", "lm_eval", "--eval_url", "http://127.0.0.1:9/v1"]
+    assert main([*argv, "--eval_dataset", "hellaswag"]) == 2
+    assert "--eval_backend lm_eval runs on a local model" in capsys.readouterr().err
     for name, task in (("a", "t1"), ("b", "t2")):
         (tmp_path / name).mkdir()
         write_jsonl(

@@ -267,3 +267,12 @@ def test_swiftlm_eval_command_runs_lm_eval_tasks(both_runs, task_files, tiny_mod
         manifest["backend"].startswith("lm_eval 0.4")
         and manifest["model"]["compute_dtype"] == "float32"
     )
+
+
+def test_an_unknown_task_fails_before_the_model_loads(tmp_path, capsys):
+    from swiftlm.cli.main import main
+
+    argv = ["eval", "--model", str(tmp_path / "no-model"), "--eval_backend", "lm_eval"]
+    assert main([*argv, "--eval_dataset", "no_such_task_xyz"]) == 2
+    error = capsys.readouterr().err
+    assert "lm-eval task 'no_such_task_xyz': not a task" in error  # not "no such model"

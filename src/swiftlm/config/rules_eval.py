@@ -26,6 +26,12 @@ EVAL_RULES = (
         "give one or the other",
     ),
     Rule(
+        "lm_eval_runs_locally",
+        lambda c, f: c.eval.eval_backend == "lm_eval" and bool(c.eval.eval_url),
+        "--eval_backend lm_eval runs on a local model; for a served one use the native "
+        "backend with --eval_url, or lm-eval's own local-chat-completions model",
+    ),
+    Rule(
         "num_fewshot_is_lm_eval",
         lambda c, f: c.eval.eval_num_fewshot is not None and c.eval.eval_backend != "lm_eval",
         "--eval_num_fewshot is for --eval_backend lm_eval (native tasks put their examples in "

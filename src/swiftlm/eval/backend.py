@@ -10,6 +10,7 @@ only the local backend has.
 from dataclasses import dataclass
 from typing import Protocol
 
+from swiftlm.config.sections_infer import GenerationArguments
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams, user_sampling
 from swiftlm.errors import DataError
@@ -26,6 +27,18 @@ class Sampling:
     top_k: int = 0
     repetition_penalty: float = 1.0
     seed: int = 42
+
+    @classmethod
+    def from_flags(cls, gen: GenerationArguments, seed: int) -> "Sampling":
+        """The generation flags of `infer` and `eval` (--max_new_tokens ...) and --seed."""
+        return cls(
+            max_new_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            repetition_penalty=gen.repetition_penalty,
+            seed=seed,
+        )
 
     def engine_params(self, max_tokens: int) -> SamplingParams:
         return user_sampling(

@@ -334,6 +334,7 @@ def run_lm_eval(
     apply_chat_template: bool = False,
     fewshot_as_multiturn: bool = True,
     bootstrap_iters: int = 100000,
+    prepared: tuple | None = None,
 ) -> dict:
     """Run lm-eval `tasks` (registered names, or local task `.yaml` files) on `engine`.
 
@@ -345,8 +346,7 @@ def run_lm_eval(
     template (few-shot examples as turns unless `fewshot_as_multiturn` is false), as
     `lm_eval --apply_chat_template` does."""
     lm_eval = require_lm_eval()
-    names, folders = resolve_tasks(tasks)
-    manager = task_manager(names, folders)
+    names, manager = prepared or prepare_tasks(tasks)
     lm = engine_lm(engine, batch_size=batch_size)
     return lm_eval.simple_evaluate(
         model=lm,
@@ -363,6 +363,13 @@ def run_lm_eval(
         fewshot_random_seed=seed,
         task_manager=manager,
     )
+
+
+def prepare_tasks(tasks: list[str]) -> tuple[list[str], object]:
+    """(task names, lm-eval's TaskManager) for `tasks`, every name checked: a caller can do
+    this before loading the model, then pass it to `run_lm_eval(prepared=...)`."""
+    names, folders = resolve_tasks(tasks)
+    return names, task_manager(names, folders)
 
 
 def resolve_tasks(tasks: list[str]) -> tuple[list[str], list[str]]:

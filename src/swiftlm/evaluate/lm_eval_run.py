@@ -11,8 +11,13 @@ import time
 from datetime import datetime
 
 from swiftlm.config import UNUSED_FLAGS, EvalConfig, save_config
-from swiftlm.errors import ConfigError
-from swiftlm.eval.lm_eval_bridge import flatten_results, flatten_stderrs, run_lm_eval
+from swiftlm.eval.backend import Sampling
+from swiftlm.eval.lm_eval_bridge import (
+    flatten_results,
+    flatten_stderrs,
+    prepare_tasks,
+    run_lm_eval,
+)
 from swiftlm.eval.stats import bootstrap_interval
 from swiftlm.evaluate.manifest import build_manifest, library_versions, local_model_entry
 from swiftlm.evaluate.output import PREDICTIONS, output_dir, write_json
@@ -21,14 +26,8 @@ from swiftlm.infer.resolve import resolve_inference_model
 
 
 def run_lm_eval_backend(cfg: EvalConfig) -> dict:
-    from swiftlm.evaluate.run import sampling_of
-
-    if cfg.eval.eval_url:
-        raise ConfigError(
-            "--eval_backend lm_eval runs on a local model; for a served one use the native "
-            "backend (--eval_url) or lm-eval's own local-chat-completions model"
-        )
     started = datetime.now().isoformat(timespec="seconds")
+    prepared = prepare_tasks(cfg.eval.eval_dataset)  # bad task names fail before the model loads
     spec = resolve_inference_model(cfg)
     print(f"Loading {spec.description}", flush=True)
     engine = engine_for_model(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
@@ -42,6 +41,7 @@ def run_lm_eval_backend(cfg: EvalConfig) -> dict:
             limit=cfg.eval.eval_limit,
             num_fewshot=cfg.eval.eval_num_fewshot,
             seed=cfg.infer.seed,
+            prepared=prepared,
         )
     finally:
         engine.shutdown()
@@ -60,7 +60,7 @@ def run_lm_eval_backend(cfg: EvalConfig) -> dict:
     )
     manifest = build_manifest(
         model=local_model_entry(spec, engine),
-        sampling=sampling_of(cfg),
+        sampling=Sampling.from_flags(cfg.generation, cfg.infer.seed),
         tasks={
             t: {"lm_eval_task": t, "config": results.get("configs", {}).get(t)} for t in metrics
         },

@@ -61,7 +61,7 @@ def run(cfg: EvalConfig) -> dict:
     # Before the model loads: bad --dataset fails now, not after the evaluation.
     contamination = contamination_section(cfg, spec, tasks, cfg.eval.contamination_ngram)
     settings = EvalSettings(
-        sampling=sampling_of(cfg),
+        sampling=Sampling.from_flags(cfg.generation, cfg.infer.seed),
         sandbox_timeout=cfg.eval.sandbox_timeout,
         sandbox_memory_mb=cfg.eval.sandbox_memory_mb,
         judge=_judge(cfg) if any(t.kind == "judge" for t in tasks) else None,
@@ -142,18 +142,6 @@ def with_run_identity(cfg: EvalConfig, spec) -> EvalConfig:
         else cfg.model.model_author,
     )
     return dataclasses.replace(cfg, model=model)
-
-
-def sampling_of(cfg: EvalConfig) -> Sampling:
-    gen = cfg.generation
-    return Sampling(
-        max_new_tokens=gen.max_new_tokens,
-        temperature=gen.temperature,
-        top_p=gen.top_p,
-        top_k=gen.top_k,
-        repetition_penalty=gen.repetition_penalty,
-        seed=cfg.infer.seed,
-    )
 
 
 def open_backend(cfg: EvalConfig, spec):
