@@ -92,12 +92,18 @@ class DataArguments:
         "tokenizer and data options; false re-tokenizes.",
         default=True,
     )
+    max_pixels: int = doc(
+        "Vision-language models: images with more pixels than this are scaled down (aspect "
+        "kept) before the processor; 0 keeps the processor's own limits.",
+        default=0,
+    )
 
     def __post_init__(self):
         check_fields(
             self,
             split_dataset_ratio=within(0, 1, note="the fraction held out", open_high=True),
             max_length=at_least(2),
+            max_pixels=at_least(0),
         )
 
 
@@ -118,6 +124,20 @@ class TunerArguments:
     use_rslora: bool = doc("Rank-stabilized LoRA scaling (alpha / sqrt(r)).", default=False)
     modules_to_save: list[str] = doc(
         "Modules trained in full next to the adapters (e.g. lm_head).", default_factory=list
+    )
+    freeze_vit: bool = doc(
+        "Vision-language models: keep the vision encoder frozen (no adapters, no updates).",
+        default=True,
+    )
+    freeze_aligner: bool = doc(
+        "Vision-language models: keep the aligner (projector/merger between the vision encoder "
+        "and the language model) frozen; otherwise it trains in full, also with LoRA.",
+        default=True,
+    )
+    freeze_llm: bool = doc(
+        "Vision-language models: keep the language model frozen (e.g. to train the aligner "
+        "first, as LLaVA does).",
+        default=False,
     )
 
     def __post_init__(self):

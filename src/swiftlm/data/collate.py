@@ -91,6 +91,16 @@ def count_input_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(mask.sum())
 
 
+# Batch entries that are a vision-language model's image inputs carry this prefix (the
+# processor's own names after it: "image_inputs.pixel_values" ...), see data.vision_batch.
+IMAGE_INPUTS = "image_inputs."
+
+
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch entries a causal LM's forward takes (labels stay with the loss)."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    """The batch entries a causal LM's forward takes (labels stay with the loss), and a
+    vision-language model's image inputs."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    for key, value in batch.items():
+        if key.startswith(IMAGE_INPUTS):
+            inputs[key[len(IMAGE_INPUTS) :]] = value
+    return inputs

@@ -15,8 +15,8 @@ from swiftlm.data.rows import RowError
 
 PREFERENCE = "preference data for swiftlm rlhf (DPO)"
 MULTIMODAL = (
-    "multimodal training is not in this version of swiftlm (it is planned), and {method} "
-    "trains text-only models"
+    "images train only with a vision-language --model (Qwen2-VL, LLaVA, SmolVLM/Idefics3 ...) "
+    "through swiftlm sft or rlhf --rlhf_type dpo, and this {method} run has a text-only model"
 )
 
 # column -> (what it holds, the kind of RowError)
@@ -62,8 +62,8 @@ def refuse_other_method_columns(record: dict, method: str, also: dict | None = N
 def _message(column: str, what: str, kind: str, method: str) -> str:
     if kind == "media":
         return (
-            f"column {column!r} holds {what}; {MULTIMODAL.format(method=method)}: remove the "
-            "column (and its tags), or use a text-only dataset"
+            f"column {column!r} holds {what}; {MULTIMODAL.format(method=method)}: pass a "
+            "vision-language --model, or remove the column (and its tags)"
         )
     return f"column {column!r} is {what}; {method} does not use it: remove the column"
 

@@ -57,15 +57,19 @@ class TruncationReport:
             "max_length": self.max_length,
             "strategy": self.strategy,
             "truncated": c["truncated"],
-            "deleted": c["deleted"],
+            # a vision sample that truncation would cut through an image is deleted too
+            "deleted": sum(n for what, n in c.items() if what.startswith("deleted")),
             "dropped": c["dropped (no label tokens)"] + left,
             "dropped_after_truncation": left,
         }
 
 
-def _text_messages(messages: list[dict]) -> list[dict]:
-    """Messages with string contents only (text parts flattened); images are refused."""
+def _text_messages(messages: list[dict], images: bool = False) -> list[dict]:
+    """Messages with text parts flattened to strings; image parts are refused unless
+    `images` (a vision-language model's processor template renders them)."""
     flat = flatten_text_parts(messages)
+    if images:
+        return flat
     for index, message in enumerate(flat, start=1):
         if not isinstance(message["content"], str):
             count = len(content_images(message["content"]))
@@ -136,10 +140,15 @@ def assistant_char_spans(
     scope: str,
     end_of_turn: str | None = None,
     tools: list | None = None,
+    images: bool = False,
 ) -> tuple[str, list]:
-    """Render a conversation and return (text, [(start, end) char spans that carry loss])."""
+    """Render a conversation and return (text, [(start, end) char spans that carry loss]).
+
+    `images`: image parts are rendered by the template (as the model's image placeholder)."""
     chosen = _turns_chosen_per_message(messages, scope)
-    messages = [{k: v for k, v in m.items() if k != "loss"} for m in _text_messages(messages)]
+    messages = [
+        {k: v for k, v in m.items() if k != "loss"} for m in _text_messages(messages, images)
+    ]
     text = _render(tokenizer, messages, False, tools)
     check_tools_rendered(tokenizer, messages, tools, text)
     if scope == "all":
@@ -179,7 +188,7 @@ def _turns_chosen_per_message(messages: list[dict], scope: str) -> dict[int, boo
     return chosen
 
 
-def _labels(ids: list[int], offsets: list, spans: list[tuple[int, int]]) -> list[int]:
+def span_labels(ids: list[int], offsets: list, spans: list[tuple[int, int]]) -> list[int]:
     """A token's own id where it lies inside a loss span, IGNORE_INDEX elsewhere."""
     bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     start, end = bounds[:, 0], bounds[:, 1]
@@ -196,7 +205,7 @@ def encode_chat(
     text, spans = assistant_char_spans(tokenizer, messages, scope, tools=tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
-    return {"input_ids": ids, "labels": _labels(ids, encoded["offset_mapping"], spans)}
+    return {"input_ids": ids, "labels": span_labels(ids, encoded["offset_mapping"], spans)}
 
 
 # Conversations tokenized per call: the fast tokenizer encodes a batch on all cores.
@@ -217,7 +226,7 @@ def _encode_chat_batch(tokenizer, samples: list[dict], scope: str, end_of_turn: 
         [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
     )
     return [
-        {"input_ids": list(ids), "labels": _labels(ids, offsets, spans)}
+        {"input_ids": list(ids), "labels": span_labels(ids, offsets, spans)}
         for ids, offsets, (_, spans) in zip(
             encoded["input_ids"], encoded["offset_mapping"], rendered, strict=True
         )

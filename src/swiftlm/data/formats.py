@@ -67,11 +67,12 @@ ACCEPTED_FORMATS = (
 )
 
 # The columns each chat format reads (loading reports a row's other columns as not used).
+# `images` is read only with a vision-language model (a text model refuses the column).
 FORMAT_COLUMNS = {
-    "messages": ("messages", "system", "tools"),
-    "conversations": ("conversations", "system", "tools"),
-    "alpaca": ("instruction", "input", "output", "system", "history", "tools"),
-    "query": ("query", "response", "history", "system", "tools"),
+    "messages": ("messages", "system", "tools", "images"),
+    "conversations": ("conversations", "system", "tools", "images"),
+    "alpaca": ("instruction", "input", "output", "system", "history", "tools", "images"),
+    "query": ("query", "response", "history", "system", "tools", "images"),
 }
 
 # Which roles may follow a given role; None is the start of the conversation.

@@ -12,9 +12,11 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from swiftlm.data.columns import given
 from swiftlm.data.formats import RowError, columns_read
+from swiftlm.data.images import relative_to
 from swiftlm.data.sources import NOT_AN_OBJECT, RawRow, parse_dataset_spec, read_rows
 from swiftlm.errors import DataError
 
@@ -133,13 +135,20 @@ def _validate(spec: str, to_sample: Callable[[dict], dict], report: LoadReport) 
         report.rows_read[row.source] += 1
         try:
             record = _record(row)
-            sample = to_sample(record)
+            with relative_to(_data_folder(row.source)):  # where a row's image paths start
+                sample = to_sample(record)
         except RowError as e:
             report.bad_rows.append(BadRow(row.source, row.line, str(e), e.kind))
             continue
         report.unused_columns.update(_unused_columns(record, sample))
         valid.append({**sample, "source": f"{row.source}:{row.line}"})
     return valid
+
+
+def _data_folder(source: str) -> Path | None:
+    """The folder of a row's local data file (None for hub datasets)."""
+    folder = Path(source).parent
+    return folder if folder.is_dir() else None
 
 
 def _unused_columns(record: dict, sample: dict) -> list[str]:

@@ -24,8 +24,12 @@ LAYOUTS = (
 )
 
 
-def preference_sample(record: dict, *, method: str, system: str | None = None) -> dict:
-    """`{"chosen": messages, "rejected": messages}`, both ending with the answer; RowError."""
+def preference_sample(
+    record: dict, *, method: str, system: str | None = None, images: bool = False
+) -> dict:
+    """`{"chosen": messages, "rejected": messages}`, both ending with the answer; RowError.
+
+    Image parts are refused unless `images` (a vision-language model, data.vision_rows)."""
     if given(record.get("rejected_response")) or given(record.get("rejected_messages")):
         chosen, rejected = _ms_swift(record)
     elif given(record.get("chosen")) and given(record.get("rejected")):
@@ -41,7 +45,8 @@ def preference_sample(record: dict, *, method: str, system: str | None = None) -
             "the chosen and the rejected answers are identical: the row states no preference",
         )
     for messages in (chosen, rejected):
-        refuse_media_parts(messages, method)
+        if not images:
+            refuse_media_parts(messages, method)
         if system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
     return {"chosen": chosen, "rejected": rejected}

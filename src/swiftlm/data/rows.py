@@ -22,6 +22,8 @@ ROW_ERROR_KINDS = (
     "bad tool call",
     "tool calls",
     "media",
+    "bad image",
+    "image tags",
     "column for another method",
 )
 

@@ -9,8 +9,11 @@ from swiftlm.config import TrainConfig
 from swiftlm.data.columns import refuse_media_parts
 from swiftlm.data.encode import encode_chat_samples
 from swiftlm.data.formats import chat_sample
-from swiftlm.methods.base import EncodeResult
+from swiftlm.data.vision_batch import VISION_COLUMN
+from swiftlm.data.vision_rows import vision_chat_sample
+from swiftlm.methods.base import Batch, EncodeResult, Layout
 from swiftlm.methods.token import NextTokenObjective
+from swiftlm.methods.vision import VisionInputs
 
 
 class SFT(NextTokenObjective):
@@ -18,21 +21,38 @@ class SFT(NextTokenObjective):
     # `swiftlm sft` with neither --model nor --dataset: teach the packaged SmolLM2 a new name,
     # mixed with ordinary Q&A so it keeps answering other questions.
     default_datasets = ("swiftlm/self-cognition", "swiftlm/general-qa")
+    supports_images = True
 
-    def __init__(self, cfg: TrainConfig, tokenizer):
+    def __init__(self, cfg: TrainConfig, tokenizer, vision: VisionInputs | None = None):
         super().__init__(tokenizer, cfg.train.fused_cross_entropy)
         self.data = cfg.data
         self.placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
+        # A vision-language model: rows may hold images, samples carry their features.
+        self.vision = vision
+        if vision is not None:
+            self.columns = (*self.columns, VISION_COLUMN)
 
     def to_sample(self, record: dict) -> dict:
-        """A conversation, with its tools if the row has some; images and columns for other
-        methods are refused (see formats.chat_sample)."""
-        sample = chat_sample(record, system=self.data.system, placeholders=self.placeholders)
+        """A conversation, with its tools if the row has some; columns for other methods are
+        refused (see formats.chat_sample), and images unless the model takes them."""
+        options = dict(system=self.data.system, placeholders=self.placeholders)
+        if self.vision is not None:
+            return vision_chat_sample(record, method=self.name, **options)
+        sample = chat_sample(record, **options)
         refuse_media_parts(sample["messages"], self.name)
         return sample
 
+    def collate(self, layout: Layout) -> Batch:
+        batch = super().collate(layout)
+        if self.vision is not None:
+            samples = [sample for row in layout.rows for sample in row]
+            batch.update(self.vision.batch_inputs(samples, batch["input_ids"].shape[1]))
+        return batch
+
     def encode(self, samples: list[dict]) -> EncodeResult:
         d = self.data
+        if self.vision is not None:
+            return self.vision.encode(samples, d)
         encoded, truncation = encode_chat_samples(
             self.tokenizer, samples, d.max_length, d.truncation_strategy, d.loss_scope
         )
@@ -48,4 +68,5 @@ class SFT(NextTokenObjective):
             "loss_scope": d.loss_scope,
             "system": d.system,
             "placeholders": list(self.placeholders.values()),
+            **(self.vision.cache_options() if self.vision is not None else {}),
         }

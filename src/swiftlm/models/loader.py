@@ -79,9 +79,9 @@ def resolve_model(model: str | None) -> ResolvedModel:
     return ResolvedModel(model, model, model.rstrip("/").split("/")[-1])
 
 
-MULTIMODAL_PLANNED = (
-    "swiftlm loads text-only causal language models for now; multimodal support is planned. "
-    "Use a text-only model, e.g. Qwen2.5-0.5B-Instruct"
+MULTIMODAL_UNSUPPORTED = (
+    "swiftlm loads causal language models and image-text-to-text models (Qwen2-VL, LLaVA, "
+    "SmolVLM/Idefics3 ...); audio and video-only models are not supported. Use one of those"
 )
 
 
@@ -110,16 +110,16 @@ def check_text_model(folder: Path, name: str) -> None:
 
     if model_type not in CONFIG_MAPPING_NAMES or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return  # a vision-language model (models.vision)
     classes = f" ({', '.join(map(str, architectures))})" if architectures else ""
-    multimodal = (
-        model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-        or model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
-        or any(key in config for key in ("vision_config", "audio_config"))
+    multimodal = model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES or any(
+        key in config for key in ("vision_config", "audio_config")
     )
     if multimodal:
         raise ModelLoadError(
-            f"{name}: model type {model_type!r}{classes} is a multimodal model (it reads "
-            f"images, video or audio); {MULTIMODAL_PLANNED}"
+            f"{name}: model type {model_type!r}{classes} is a multimodal model that "
+            f"transformers does not load as image-text-to-text; {MULTIMODAL_UNSUPPORTED}"
         )
     raise ModelLoadError(
         f"{name}: model type {model_type!r}{classes} is not a causal language model "
@@ -247,14 +247,18 @@ CAUSAL_LM = "causal_lm"
 SEQUENCE_CLASSIFICATION = "sequence_classification"
 
 
-def _auto_class(kind: str, pad_token_id: int | None) -> tuple[type, dict]:
+def _auto_class(kind: str, pad_token_id: int | None, path: str) -> tuple[type, dict]:
     """The transformers Auto class for `kind` and what it needs besides the weights."""
     import transformers
+
+    from swiftlm.models.vision import vision_language_type
 
     if kind == SEQUENCE_CLASSIFICATION:
         # One reward per conversation; the pad id tells the head where each row ends.
         options = {"num_labels": 1, "pad_token_id": pad_token_id}
         return transformers.AutoModelForSequenceClassification, options
+    if vision_language_type(path):
+        return transformers.AutoModelForImageTextToText, {}
     return transformers.AutoModelForCausalLM, {}
 
 
@@ -267,14 +271,14 @@ def load_model(
     kind: str = CAUSAL_LM,
     pad_token_id: int | None = None,
 ):
-    """Load a causal LM (or, with `kind` SEQUENCE_CLASSIFICATION, a reward model whose
+    """Load a causal LM or a vision-language model (or, with `kind` SEQUENCE_CLASSIFICATION, a reward model whose
     `score` head is new when `path` is a causal LM) with weights in `dtype` on `device`.
 
     `quantization`: a transformers quantization config (e.g. BitsAndBytesConfig); the
     weights it quantizes are converted while loading, directly on `device`.
     `pad_token_id`: the tokenizer's, for a reward model (its head finds each row's last token).
     """
-    auto_class, options = _auto_class(kind, pad_token_id)
+    auto_class, options = _auto_class(kind, pad_token_id, path)
     if Path(path).is_dir():  # also for commands that do not resolve --model (infer, export)
         check_text_model(Path(path), path)
     placement = {}

@@ -12,10 +12,13 @@ from swiftlm.data.cache import (
     sample_lengths,
 )
 from swiftlm.data.loading import load_samples, split_samples
+from swiftlm.errors import ConfigError
 from swiftlm.methods.base import Method
+from swiftlm.methods.vision import VisionInputs
 from swiftlm.models.attention import training_attention
-from swiftlm.models.loader import CAUSAL_LM, load_model
+from swiftlm.models.loader import CAUSAL_LM, load_model, load_tokenizer
 from swiftlm.models.quant import bnb_config, prepare_for_quantized_training
+from swiftlm.models.vision import load_processor, vision_language_type
 from swiftlm.monitor.data_health import (
     LayoutFacts,
     SplitFacts,
@@ -26,6 +29,35 @@ from swiftlm.monitor.data_health import (
 )
 from swiftlm.train.batching import BatchPlan, build_batch_plan
 from swiftlm.tuners.setup import apply_tuner
+
+
+def build_method(cfg: TrainConfig, method_cls, model_path: str) -> tuple[Method, object, object]:
+    """The run's method, its tokenizer, and what checkpoints save beside the weights (the
+    tokenizer, or a vision-language model's whole processor).
+
+    A vision-language model gives the method its processor (methods.vision.VisionInputs);
+    a method that does not train on images refuses it, and so do packed batches, whose
+    per-sample positions swiftlm does not build for image tokens yet."""
+    vision_type = vision_language_type(model_path)
+    if not vision_type:
+        tokenizer = load_tokenizer(model_path)
+        return method_cls(cfg, tokenizer), tokenizer, tokenizer
+    if not getattr(method_cls, "supports_images", False):
+        raise ConfigError(
+            f"{method_cls.name} does not train vision-language models ({vision_type}); "
+            "use swiftlm sft or swiftlm rlhf --rlhf_type dpo, or a text-only --model"
+        )
+    if cfg.train.packing or cfg.train.padding_free:
+        flag = "--packing" if cfg.train.packing else "--padding_free"
+        raise ConfigError(
+            f"{flag}: packed batches of a vision-language model ({vision_type}) need per-sample "
+            "image positions, which swiftlm does not build yet; drop the flag (batches are "
+            "padded per sample)"
+        )
+    processor = load_processor(model_path)
+    vision = VisionInputs(processor, vision_type, cfg.data.max_pixels)
+    tokenizer = processor.tokenizer
+    return method_cls(cfg, tokenizer, vision=vision), tokenizer, processor
 
 
 def load_splits(cfg: TrainConfig, method: Method, log) -> tuple[list[dict], list[dict]]:
@@ -105,7 +137,8 @@ def prepare_model(
     pad_token_id: int | None = None,
 ):
     """Load the model as `kind` (the method's `model_kind`: a causal LM, or a reward model
-    that needs the tokenizer's `pad_token_id`) and make the tuner's parameters trainable.
+    that needs the tokenizer's `pad_token_id`) and make the tuner's parameters trainable
+    (for a vision-language model, under the freeze flags).
     Activation checkpointing and compilation are parallelisms, applied in order by the
     strategy's `wrap`."""
     # Frozen base weights can live in the compute dtype; weights that train stay float32
@@ -125,7 +158,7 @@ def prepare_model(
     if quantization is not None:
         model = prepare_for_quantized_training(model)
     model.config.use_cache = False
-    model = apply_tuner(model, cfg.tuner, kind)
+    model = apply_tuner(model, cfg.tuner, kind, vision_language_type(model_path) or "")
     return model
 
 

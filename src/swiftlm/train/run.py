@@ -18,7 +18,7 @@ from swiftlm.distributed.parallelize import apply_activation_checkpointing
 from swiftlm.distributed.strategy import build_strategy
 from swiftlm.errors import SwiftLMError
 from swiftlm.methods import METHODS
-from swiftlm.models.loader import CAUSAL_LM, load_tokenizer, pick_device, pick_dtype, resolve_model
+from swiftlm.models.loader import CAUSAL_LM, pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
 from swiftlm.monitor.dashboard import Dashboard
 from swiftlm.monitor.loggers import check_loggers_installed
@@ -31,6 +31,7 @@ from swiftlm.train.evaluation import BestCheckpoint, build_generation_evaluator
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.preflight import prepare_run
 from swiftlm.train.prepare import (
+    build_method,
     make_batch_plan,
     prepare_data,
     prepare_model,
@@ -74,8 +75,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
         f"model {resolved.requested} on {device} x {ctx.world_size} ({strategy}, "
         f"{str(compute_dtype).replace('torch.', '')} compute)"
     )
-    tokenizer = load_tokenizer(resolved.path)
-    method = method_cls(cfg, tokenizer)
+    method, tokenizer, saved_with_weights = build_method(cfg, method_cls, resolved.path)
     train_data, val_data, truncation = prepare_data(cfg, method, tokenizer, ctx, log)
     evaluator = build_generation_evaluator(cfg, tokenizer, strategy, method)
     set_seed(cfg.train.seed)  # the same initial weights on every rank
@@ -110,7 +110,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     )
     job = TrainingJob(
         model=strategy.wrap(model),
-        tokenizer=tokenizer,
+        tokenizer=saved_with_weights,
         method=method,
         train_data=train_data,
         val_data=val_data,

@@ -10,11 +10,16 @@ from swiftlm.models.quant import logical_numel
 PEFT_TASK_TYPES = {CAUSAL_LM: "CAUSAL_LM", SEQUENCE_CLASSIFICATION: "SEQ_CLS"}
 
 
-def build_lora_config(args: TunerArguments, kind: str = CAUSAL_LM):
+def build_lora_config(args: TunerArguments, kind: str = CAUSAL_LM, parts: dict | None = None):
+    """`parts`: a vision-language model's trainable module names (vision_parts), which the
+    adapters and fully trained modules are limited to."""
     from peft import LoraConfig
 
     targets = args.target_modules
     target_modules = "all-linear" if targets in (["all-linear"], ["all"]) else list(targets)
+    modules_to_save = list(args.modules_to_save) or None
+    if parts is not None:
+        target_modules, modules_to_save = parts["lora"], parts["full"] + list(args.modules_to_save)
     return LoraConfig(
         task_type=PEFT_TASK_TYPES[kind],
         r=args.lora_rank,
@@ -23,21 +28,23 @@ def build_lora_config(args: TunerArguments, kind: str = CAUSAL_LM):
         target_modules=target_modules,
         use_dora=args.train_type == "dora",
         use_rslora=args.use_rslora,
-        modules_to_save=list(args.modules_to_save) or None,
+        modules_to_save=modules_to_save or None,
     )
 
 
-def apply_tuner(model, args: TunerArguments, kind: str = CAUSAL_LM):
+def apply_tuner(model, args: TunerArguments, kind: str = CAUSAL_LM, vision_type: str = ""):
     """Return the model to train, with exactly the tuner's parameters requiring grad (`kind`:
-    what the model was loaded as, see models.loader)."""
+    what the model was loaded as, see models.loader; `vision_type`: the model type of a
+    vision-language model, whose --freeze_vit/--freeze_aligner/--freeze_llm apply)."""
+    parts = vision_parts(model, vision_type, args) if vision_type else None
     if args.train_type == "full":
-        for param in model.parameters():
-            param.requires_grad_(True)
+        for name, param in model.named_parameters():
+            param.requires_grad_(parts is None or name in parts["trained"])
         return model
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, build_lora_config(args, kind))
+        return get_peft_model(model, build_lora_config(args, kind, parts))
     except ValueError as exc:  # peft says which target modules it could not find
         raise ConfigError(f"--target_modules {' '.join(args.target_modules)}: {exc}") from None
 
@@ -54,3 +61,52 @@ def count_parameters(model) -> tuple[int, int]:
         total += numel
         trainable += numel if param.requires_grad else 0
     return trainable, total
+
+
+FREEZE_FLAGS = {"vit": "--freeze_vit", "aligner": "--freeze_aligner", "llm": "--freeze_llm"}
+
+
+def vision_parts(model, vision_type: str, args: TunerArguments) -> dict[str, list[str]]:
+    """What trains in a vision-language model under the freeze flags.
+
+    Returns {"trained": parameter names (full fine-tuning), "lora": Linear module names that
+    get adapters (the vision encoder's and the language model's, when not frozen; the output
+    head excluded as `all-linear` does, and limited to --target_modules names when given),
+    "full": module names trained in full next to LoRA (the aligner, when not frozen)}."""
+    import torch
+
+    from swiftlm.models.vision import find_parts
+
+    groups = find_parts(model, vision_type)
+    frozen = {"vit": args.freeze_vit, "aligner": args.freeze_aligner, "llm": args.freeze_llm}
+    if all(frozen.values()):
+        raise ConfigError(
+            "--freeze_vit, --freeze_aligner and --freeze_llm are all true: nothing would train; "
+            "set one of them to false"
+        )
+    trained = {name for part, names in groups.items() if not frozen[part] for name in names}
+    modules = dict(model.named_modules())
+    owners = {name.rsplit(".", 1)[0] for name in trained}
+    named = args.target_modules not in (["all-linear"], ["all"])
+    aligner = {name.rsplit(".", 1)[0] for name in groups["aligner"]}
+    lora = sorted(
+        name
+        for name in owners
+        if isinstance(modules.get(name), torch.nn.Linear)
+        and name not in aligner
+        and not name.endswith("lm_head")
+        and (not named or name.rsplit(".", 1)[-1] in args.target_modules)
+    )
+    if args.train_type != "full" and not lora and frozen["aligner"]:
+        unfrozen = " ".join(FREEZE_FLAGS[p] for p, f in frozen.items() if not f)
+        raise ConfigError(
+            f"--target_modules {' '.join(args.target_modules)} names no Linear layer of the "
+            f"unfrozen parts ({unfrozen} false); use all-linear or names of those parts' layers"
+        )
+    full = sorted(_common_roots(aligner)) if not frozen["aligner"] else []
+    return {"trained": sorted(trained), "lora": lora, "full": full}
+
+
+def _common_roots(modules: set[str]) -> set[str]:
+    """The outermost modules of a set of module names (the aligner itself, not its layers)."""
+    return {m for m in modules if not any(m.startswith(o + ".") for o in modules if o != m)}
