@@ -58,28 +58,10 @@ def test_sft_tool_rows_on_a_template_without_tools_stop_naming_the_row(
 
 
 @pytest.mark.bad_input(
-    input="`swiftlm sft --model` given a vision-language model folder (Llava)",
-    outcome="Stops before the tokenizer or weights load, naming the folder and model type",
-)
-def test_sft_on_a_vision_language_folder_stops_before_loading(tmp_path, chat_jsonl, capsys):
-    from transformers import LlavaConfig
-
-    folder = tmp_path / "tiny-llava"  # a config.json only: any load would fail differently
-    LlavaConfig(architectures=["LlavaForConditionalGeneration"]).save_pretrained(folder)
-    assert main(tiny_sft(folder, chat_jsonl, tmp_path / "run", max_steps=1)) == 1
-    err = capsys.readouterr().err
-    assert (
-        f"--model {folder}: model type 'llava' (LlavaForConditionalGeneration) is a "
-        "multimodal model (it reads images, video or audio); swiftlm loads text-only causal "
-        "language models for now; multimodal support is planned. Use a text-only model"
-    ) in err
-    assert "tokenizer" not in err
-
-
-@pytest.mark.bad_input(
-    input="swiftlm sft on rows with an images column and `<image>` tags, or image parts",
-    outcome="Stops before training listing each row (file:line): multimodal training is not "
-    "in swiftlm yet",
+    input="swiftlm sft of a text-only model on rows with an images column and `<image>` tags, "
+    "or image parts",
+    outcome="Stops before training listing each row (file:line): images need a "
+    "vision-language --model",
 )
 def test_sft_on_image_rows_stops_naming_each_row(tiny_model_dir, tmp_path, capsys):
     tagged = {
@@ -99,7 +81,7 @@ def test_sft_on_image_rows_stops_naming_each_row(tiny_model_dir, tmp_path, capsy
     assert main(tiny_sft(tiny_model_dir, data, out, max_steps=1)) == 1
     err = capsys.readouterr().err
     assert f"{data}:3: column 'images' holds images for the <image> tags of the text" in err
-    assert f"{data}:4: message 1 (user) has 1 image part(s); multimodal training" in err
+    assert f"{data}:4: message 1 (user) has 1 image part(s); images need a vision-language" in err
     assert "2 of 4 rows are invalid" in err
     assert not (out / "metrics.jsonl").exists()
 

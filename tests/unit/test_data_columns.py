@@ -15,8 +15,8 @@ from tool_templates import WEATHER_TOOL, openai_tool_row
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 PREFERENCE = "preference data for swiftlm rlhf (DPO)"
 MULTIMODAL = (
-    "multimodal training is not in this version of swiftlm (it is planned), and sft trains "
-    "text-only models"
+    "images need a vision-language --model (Qwen2-VL, LLaVA, SmolVLM/Idefics3 ...; sft, rlhf "
+    "--rlhf_type dpo, infer and deploy take images), and this sft run's model is text-only"
 )
 
 
@@ -52,8 +52,8 @@ def test_columns_for_another_method_are_refused_by_name(record, column, what):
 
 @pytest.mark.bad_input(
     input="An images (videos, audios) column with `<image>` tags, on a text model",
-    outcome="The row is refused: multimodal training is not in swiftlm yet (the multimodal "
-    "issue adds it)",
+    outcome="The row is refused: images need a vision-language --model, naming the commands "
+    "that take them",
 )
 def test_media_columns_are_refused_as_multimodal(tmp_path):
     row = {
@@ -68,7 +68,7 @@ def test_media_columns_are_refused_as_multimodal(tmp_path):
         load_samples([str(path)], chat_sample)
     assert str(info.value).splitlines()[0] == (
         f"{path}:2: column 'images' holds images for the <image> tags of the text; "
-        f"{MULTIMODAL}: remove the column (and its tags), or use a text-only dataset"
+        f"{MULTIMODAL}: pass a vision-language --model, or remove the column (and its tags)"
     )
     assert info.value.bad_rows[0].kind == "media"
 
@@ -81,7 +81,7 @@ def test_empty_media_columns_count_as_absent():
 
 @pytest.mark.bad_input(
     input="Image content parts in SFT, PT or inference rows",
-    outcome="The row is refused: multimodal training is not in swiftlm yet",
+    outcome="The row is refused: images need a vision-language --model",
 )
 def test_image_parts_are_refused_by_text_methods():
     picture = [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is it?"}]
@@ -95,7 +95,7 @@ def test_image_parts_are_refused_by_text_methods():
     assert refusal(lambda r: prompt_sample(r, require_answer=False), {"messages": messages}) == (
         "media",
         "message 1 (user) has 1 image part(s); "
-        f"{MULTIMODAL.replace('and sft', 'and infer')}: remove the image parts",
+        f"{MULTIMODAL.replace('this sft', 'this infer')}: remove the image parts",
     )
 
 

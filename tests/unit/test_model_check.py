@@ -7,9 +7,9 @@ import pytest
 from swiftlm.errors import ModelLoadError
 from swiftlm.models.loader import check_text_model, resolve_model
 
-PLANNED = (
-    "swiftlm loads text-only causal language models for now; multimodal support is planned. "
-    "Use a text-only model, e.g. Qwen2.5-0.5B-Instruct"
+UNSUPPORTED = (
+    "swiftlm loads causal language models and image-text-to-text models (Qwen2-VL, LLaVA, "
+    "SmolVLM/Idefics3 ...); audio and video-only models are not supported. Use one of those"
 )
 
 
@@ -22,27 +22,32 @@ def config_folder(tmp_path, config_class: str, **fields):
     return folder
 
 
-@pytest.mark.bad_input(
-    input="--model pointing at a vision-language model folder (Llava, Qwen2-VL)",
-    outcome="Refused before loading, naming the folder and model type: multimodal support "
-    "is planned",
-)
 @pytest.mark.parametrize(
-    "config_class, model_type, architecture",
+    "config_class, architecture",
     [
-        ("LlavaConfig", "llava", "LlavaForConditionalGeneration"),
-        ("Qwen2VLConfig", "qwen2_vl", "Qwen2VLForConditionalGeneration"),
+        ("LlavaConfig", "LlavaForConditionalGeneration"),
+        ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+        ("Idefics3Config", "Idefics3ForConditionalGeneration"),
     ],
 )
-def test_vision_language_folder_is_refused_by_name(
-    tmp_path, config_class, model_type, architecture
-):
+def test_vision_language_folders_pass(tmp_path, config_class, architecture):
+    """Image-text-to-text models load with AutoModelForImageTextToText (models.vision)."""
     folder = config_folder(tmp_path, config_class, architectures=[architecture])
+    assert resolve_model(str(folder)).path == str(folder.resolve())
+
+
+@pytest.mark.bad_input(
+    input="--model pointing at an audio or video-only multimodal model folder (Qwen2-Audio)",
+    outcome="Refused before loading, naming the folder and model type and what swiftlm loads",
+)
+def test_audio_model_folder_is_refused_by_name(tmp_path):
+    architecture = "Qwen2AudioForConditionalGeneration"
+    folder = config_folder(tmp_path, "Qwen2AudioConfig", architectures=[architecture])
     with pytest.raises(ModelLoadError) as info:
         resolve_model(str(folder))
     assert str(info.value) == (
-        f"--model {folder}: model type {model_type!r} ({architecture}) is a multimodal model "
-        f"(it reads images, video or audio); {PLANNED}"
+        f"--model {folder}: model type 'qwen2_audio' ({architecture}) is a multimodal model "
+        f"that transformers does not load as image-text-to-text; {UNSUPPORTED}"
     )
 
 

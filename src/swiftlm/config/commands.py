@@ -93,10 +93,12 @@ class DeployConfig:
 # `--help`, and an error when given (flag or YAML key). A test runs each command's parser.
 _EXPORT_ONLY = frozenset({"group_size", "quant_n_samples"})
 _SFT_ONLY = frozenset({"system", "loss_scope", "truncation_strategy", "model_name", "model_author"})
+# Flags of vision-language training (sft, dpo).
+_VISION_TRAINING = frozenset({"max_pixels", "freeze_vit", "freeze_aligner", "freeze_llm"})
 UNUSED_FLAGS: dict[str, frozenset[str]] = {
     "sft": _EXPORT_ONLY,
     # Pre-training reads plain text cut into --max_length chunks: no chat, no truncation.
-    "pt": _EXPORT_ONLY | _SFT_ONLY,
+    "pt": _EXPORT_ONLY | _SFT_ONLY | _VISION_TRAINING,
     # The loss is on each pair's last answer; there is no self-cognition data to fill in.
     "rlhf": _EXPORT_ONLY | frozenset({"loss_scope", "model_name", "model_author"}),
     # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
@@ -123,6 +125,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "stream",
             "seed",
             "task",
+            "max_pixels",
         }
     ),
     # Requests bring their own prompts and sampling; --system is the one data flag kept.
@@ -158,6 +161,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "result_path",
             "stream",
             "task",
+            "max_pixels",
         }
     ),
     "report": frozenset(),  # its own section only

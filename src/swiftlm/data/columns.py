@@ -15,8 +15,8 @@ from swiftlm.data.rows import RowError
 
 PREFERENCE = "preference data for swiftlm rlhf (DPO)"
 MULTIMODAL = (
-    "images train only with a vision-language --model (Qwen2-VL, LLaVA, SmolVLM/Idefics3 ...) "
-    "through swiftlm sft or rlhf --rlhf_type dpo, and this {method} run has a text-only model"
+    "images need a vision-language --model (Qwen2-VL, LLaVA, SmolVLM/Idefics3 ...; sft, rlhf "
+    "--rlhf_type dpo, infer and deploy take images), and this {method} run's model is text-only"
 )
 
 # column -> (what it holds, the kind of RowError)

@@ -33,9 +33,12 @@ from collections.abc import Sequence
 import torch
 
 from swiftlm.config import RLHFConfig
-from swiftlm.data.collate import collate
+from swiftlm.data.collate import collate, model_inputs
 from swiftlm.data.encode import IGNORE_INDEX, TruncationReport, encode_chat, truncate
 from swiftlm.data.preference import preference_sample
+from swiftlm.data.vision_batch import VISION_COLUMN
+from swiftlm.data.vision_encode import ImageThroughput, encode_vision_chat, truncate_vision
+from swiftlm.data.vision_rows import vision_preference_sample
 from swiftlm.errors import DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.preference import (
@@ -47,6 +50,7 @@ from swiftlm.losses.preference import (
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
 from swiftlm.methods.reference import Reference, unwrapped
 from swiftlm.methods.token import token_pads
+from swiftlm.methods.vision import VisionInputs
 
 __all__ = ["DPO", "answer_logps", "pair_metrics", "unwrapped", "weighted_sums"]
 
@@ -64,9 +68,14 @@ class DPO:
     )
     supports_packing = False
     default_datasets: tuple[str, ...] = ()
+    # A vision-language model: each side keeps its image features (methods.vision).
+    supports_images = True
 
-    def __init__(self, cfg: RLHFConfig, tokenizer):
+    def __init__(self, cfg: RLHFConfig, tokenizer, vision: VisionInputs | None = None):
         self.tokenizer = tokenizer
+        self.vision = vision
+        if vision is not None:
+            self.columns = (*self.columns, *(f"{side}_{VISION_COLUMN}" for side in SIDES))
         self.token_pads = token_pads(tokenizer.pad_token_id)
         self.data, self.rlhf = cfg.data, cfg.rlhf
         self.uses_lora = cfg.tuner.train_type != "full"
@@ -84,24 +93,23 @@ class DPO:
     # -- data ----------------------------------------------------------------------------------
 
     def to_sample(self, record: dict) -> dict:
-        return preference_sample(record, method="swiftlm rlhf", system=self.data.system)
+        options = dict(method="swiftlm rlhf", system=self.data.system)
+        if self.vision is not None:
+            return vision_preference_sample(record, **options)
+        return preference_sample(record, **options)
 
     def encode(self, samples: list[dict]) -> EncodeResult:
         """Each side's ids and labels (loss on its last answer); over-long pairs follow
         --truncation_strategy, and a pair with a side left without label tokens is dropped."""
         d = self.data
         report = TruncationReport(d.truncation_strategy, d.max_length)
+        throughput = ImageThroughput()
         encoded = []
         for sample in samples:
-            sides = [
-                truncate(
-                    encode_chat(self.tokenizer, sample[side], "last_turn"),
-                    d.max_length,
-                    d.truncation_strategy,
-                    report,
-                )
-                for side in SIDES
-            ]
+            try:
+                sides = [self._encode_side(sample[side], report, throughput) for side in SIDES]
+            except DataError as exc:
+                raise DataError(f"{sample.get('source', 'sample')}: {exc}") from None
             if None not in sides:
                 encoded.append(self.pair_sample(sample, *sides))
         if not encoded:
@@ -109,14 +117,31 @@ class DPO:
                 f"no preference pair fits --max_length {d.max_length} with "
                 f"--truncation_strategy {d.truncation_strategy} ({report}); raise --max_length"
             )
-        return EncodeResult(
-            encoded, [report.summary()] if report.summary() else [], report.as_dict()
-        )
+        lines = [report.summary()] if report.summary() else []
+        if self.vision is not None:
+            lines = self.vision.lines(report, throughput)
+        return EncodeResult(encoded, lines, report.as_dict())
 
-    @staticmethod
-    def pair_sample(sample: dict, chosen: dict, rejected: dict) -> dict:
-        """The encoded pair: both sides' ids and labels, weight 1 (methods add columns)."""
-        return _pair(chosen, rejected)
+    def _encode_side(self, messages, report, throughput) -> dict | None:
+        """One side's ids and labels (and image features), truncated; None: dropped."""
+        d = self.data
+        if self.vision is None:
+            encoded = encode_chat(self.tokenizer, messages, "last_turn")
+            return truncate(encoded, d.max_length, d.truncation_strategy, report)
+        v = self.vision
+        encoded = encode_vision_chat(
+            v.processor, messages, "last_turn", v.image_ids, throughput, None, v.max_pixels
+        )
+        return truncate_vision(encoded, d.max_length, d.truncation_strategy, report, v.image_ids)
+
+    def pair_sample(self, sample: dict, chosen: dict, rejected: dict) -> dict:
+        """The encoded pair: both sides' ids and labels (and image features), weight 1
+        (methods add columns)."""
+        pair = _pair(chosen, rejected)
+        if self.vision is not None:
+            for side, encoded in zip(SIDES, (chosen, rejected), strict=True):
+                pair[f"{side}_{VISION_COLUMN}"] = encoded[VISION_COLUMN]
+        return pair
 
     def cache_options(self) -> dict:
         d = self.data
@@ -125,6 +150,7 @@ class DPO:
             "max_length": d.max_length,
             "truncation_strategy": d.truncation_strategy,
             "system": d.system,
+            **(self.vision.cache_options() if self.vision is not None else {}),
         }
 
     @staticmethod
@@ -140,11 +166,17 @@ class DPO:
         `ref_logps` [2B] when the samples carry precomputed reference log-probs."""
         pairs = [row[0] for row in layout.rows]
         rows = [
-            {"input_ids": p[f"{side}_input_ids"], "labels": p[f"{side}_labels"]}
+            {
+                "input_ids": p[f"{side}_input_ids"],
+                "labels": p[f"{side}_labels"],
+                VISION_COLUMN: p.get(f"{side}_{VISION_COLUMN}", b""),
+            }
             for side in SIDES
             for p in pairs
         ]
         batch = collate(rows, self.tokenizer.pad_token_id)
+        if self.vision is not None:
+            batch.update(self.vision.batch_inputs(rows, batch["input_ids"].shape[1]))
         batch["weight"] = torch.tensor([p["weight"] for p in pairs], dtype=torch.float32)
         if REF_KEYS[0] in pairs[0]:
             values = [p[f"ref_{side}_logps"] for side in SIDES for p in pairs]
@@ -278,9 +310,7 @@ class DPO:
 def answer_logps(model, batch: Batch, context=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the sum of the label tokens' log-probs (float32) and their number."""
     with context or contextlib.nullcontext():
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).logits
+        logits = model(**model_inputs(batch), use_cache=False).logits
     token_logps = -token_cross_entropy(logits, batch["labels"])
     counts = (shifted_labels(batch["labels"]) != IGNORE_INDEX).sum(-1).to(token_logps)
     return token_logps.sum(-1), counts.clamp(min=1)

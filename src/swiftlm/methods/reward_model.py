@@ -43,6 +43,7 @@ class RewardModel(DPO):
     name = "rm"
     model_kind = SEQUENCE_CLASSIFICATION
     columns = (*DPO.columns, "margin")
+    supports_images = False  # a value head on a text transformer
 
     def __init__(self, cfg: RLHFConfig, tokenizer):
         # Refused before the model loads: the pipeline stages are built from a causal LM.
@@ -56,10 +57,9 @@ class RewardModel(DPO):
         sample = super().to_sample(record)
         return {**sample, "margin": read_margin(record.get("margin"))}
 
-    @staticmethod
-    def pair_sample(sample: dict, chosen: dict, rejected: dict) -> dict:
+    def pair_sample(self, sample: dict, chosen: dict, rejected: dict) -> dict:
         """DPO's encoded pair plus the row's margin (0 without one)."""
-        return {**DPO.pair_sample(sample, chosen, rejected), "margin": sample["margin"]}
+        return {**super().pair_sample(sample, chosen, rejected), "margin": sample["margin"]}
 
     def collate(self, layout: Layout) -> Batch:
         """DPO's 2B rows (chosen first) and `weight` [B], plus `margin` [B]."""
