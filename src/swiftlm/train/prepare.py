@@ -30,14 +30,18 @@ from swiftlm.monitor.data_health import (
 from swiftlm.train.batching import BatchPlan, build_batch_plan
 from swiftlm.tuners.setup import apply_tuner
 
+# Vision-language models whose packed rows need nothing but restarting 1-D positions: their
+# image features are one tensor per image, scattered into the image tokens in order.
+PACKABLE = ("llava",)
+
 
 def build_method(cfg: TrainConfig, method_cls, model_path: str) -> tuple[Method, object, object]:
     """The run's method, its tokenizer, and what checkpoints save beside the weights (the
     tokenizer, or a vision-language model's whole processor).
 
     A vision-language model gives the method its processor (methods.vision.VisionInputs);
-    a method that does not train on images refuses it, and so do packed batches, whose
-    per-sample positions swiftlm does not build for image tokens yet."""
+    a method that does not train on images refuses it, and packed batches are refused for
+    the architectures whose image positions are not plain restarting positions."""
     vision_type = vision_language_type(model_path)
     if not vision_type:
         tokenizer = load_tokenizer(model_path)
@@ -47,12 +51,13 @@ def build_method(cfg: TrainConfig, method_cls, model_path: str) -> tuple[Method,
             f"{method_cls.name} does not train vision-language models ({vision_type}); "
             "use swiftlm sft or swiftlm rlhf --rlhf_type dpo, or a text-only --model"
         )
-    if cfg.train.packing or cfg.train.padding_free:
+    if (cfg.train.packing or cfg.train.padding_free) and vision_type not in PACKABLE:
         flag = "--packing" if cfg.train.packing else "--padding_free"
         raise ConfigError(
-            f"{flag}: packed batches of a vision-language model ({vision_type}) need per-sample "
-            "image positions, which swiftlm does not build yet; drop the flag (batches are "
-            "padded per sample)"
+            f"{flag}: packed batches of {vision_type} models need per-sample image positions "
+            "(Qwen2-VL's multimodal rotary positions, Idefics3's per-sample image grids), which "
+            f"swiftlm builds only for {', '.join(PACKABLE)}; drop the flag (batches are padded "
+            "per sample)"
         )
     processor = load_processor(model_path)
     vision = VisionInputs(processor, vision_type, cfg.data.max_pixels)
