@@ -8,7 +8,7 @@ import pytest
 
 from conftest import max_weight_difference, write_jsonl
 from swiftlm.cli.main import main
-from vlm_helpers import build_idefics3, build_llava, colour_rows
+from vlm_helpers import ARCHITECTURES, BUILDERS, colour_rows, patched_qwen2_vl_loading
 
 
 def sft(model_dir, data, out, *extra) -> int:
@@ -22,29 +22,36 @@ def losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_padding_free_llava_trains_like_padded(tmp_path):
-    model_dir = build_llava(tmp_path / "llava")
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_padding_free_trains_like_padded(tmp_path, architecture):
+    """Several samples with images (and one without) per packed row: the same losses and
+    weights as one sample per padded row, so positions, masks and image features line up."""
+    model_dir = BUILDERS[architecture](tmp_path / architecture)
     data = write_jsonl(tmp_path / "rows.jsonl", colour_rows(tmp_path))
     padded, packed = tmp_path / "padded", tmp_path / "packed"
-    assert sft(model_dir, data, padded, "--padding_free", "false") == 0
-    assert sft(model_dir, data, packed, "--padding_free", "true") == 0
+    with patched_qwen2_vl_loading():
+        assert sft(model_dir, data, padded, "--padding_free", "false") == 0
+        assert sft(model_dir, data, packed, "--padding_free", "true") == 0
+    layout = json.loads((packed / "data_health.json").read_text())["layout"]
+    assert (layout["kind"], layout["padding_share"]) == ("padding-free", 0.0)
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
     weights = "final/model.safetensors"
     assert max_weight_difference(padded / weights, packed / weights) < 1e-5
 
 
 @pytest.mark.bad_input(
-    input="--padding_free or --packing with a vision-language model whose image positions "
-    "are not plain 1-D positions (Idefics3, Qwen2-VL)",
+    input="--padding_free or --packing with a vision-language model whose packed rows swiftlm "
+    "does not build (e.g. LLaVA-NeXT)",
     outcome="Refused before the data is read, naming the flag, the model type and that "
     "padded batches are the fallback",
 )
-def test_packing_is_refused_where_image_positions_are_not_plain(tmp_path, capsys):
-    model_dir = build_idefics3(tmp_path / "idefics3")
+def test_packing_is_refused_where_rows_are_not_built(tmp_path, capsys):
+    from transformers import LlavaNextConfig
+
+    folder = tmp_path / "llava-next"  # the refusal comes before the processor loads
+    LlavaNextConfig(architectures=["LlavaNextForConditionalGeneration"]).save_pretrained(folder)
     data = write_jsonl(tmp_path / "rows.jsonl", colour_rows(tmp_path))
-    assert sft(model_dir, data, tmp_path / "run", "--padding_free", "true") == 2
+    assert sft(folder, data, tmp_path / "run", "--packing", "true") == 2
     err = capsys.readouterr().err
-    assert (
-        "--padding_free: packed batches of idefics3 models need per-sample image positions"
-    ) in err
+    assert "--packing: packed batches of llava_next models need per-sample image" in err
     assert "drop the flag (batches are padded per sample)" in err

@@ -176,7 +176,8 @@ class DPO:
         ]
         batch = collate(rows, self.tokenizer.pad_token_id)
         if self.vision is not None:
-            batch.update(self.vision.batch_inputs(rows, batch["input_ids"].shape[1]))
+            width = batch["input_ids"].shape[1]
+            batch.update(self.vision.batch_inputs([[row] for row in rows], width))
         batch["weight"] = torch.tensor([p["weight"] for p in pairs], dtype=torch.float32)
         if REF_KEYS[0] in pairs[0]:
             values = [p[f"ref_{side}_logps"] for side in SIDES for p in pairs]

@@ -11,7 +11,7 @@ from swiftlm.data.encode import encode_chat_samples
 from swiftlm.data.formats import chat_sample
 from swiftlm.data.vision_batch import VISION_COLUMN
 from swiftlm.data.vision_rows import vision_chat_sample
-from swiftlm.methods.base import Batch, EncodeResult, Layout
+from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
 from swiftlm.methods.token import NextTokenObjective
 from swiftlm.methods.vision import VisionInputs
 
@@ -45,9 +45,13 @@ class SFT(NextTokenObjective):
     def collate(self, layout: Layout) -> Batch:
         batch = super().collate(layout)
         if self.vision is not None:
-            samples = [sample for row in layout.rows for sample in row]
-            batch.update(self.vision.batch_inputs(samples, batch["input_ids"].shape[1]))
+            batch.update(self.vision.batch_inputs(layout.rows, batch["input_ids"].shape[1]))
         return batch
+
+    def loss(self, model, batch: Batch) -> LossOutput:
+        if self.vision is not None:
+            batch = self.vision.model_batch(model, batch)
+        return super().loss(model, batch)
 
     def encode(self, samples: list[dict]) -> EncodeResult:
         d = self.data

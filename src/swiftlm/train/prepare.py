@@ -14,7 +14,7 @@ from swiftlm.data.cache import (
 from swiftlm.data.loading import load_samples, split_samples
 from swiftlm.errors import ConfigError
 from swiftlm.methods.base import Method
-from swiftlm.methods.vision import VisionInputs
+from swiftlm.methods.vision import PACKABLE, VisionInputs
 from swiftlm.models.attention import training_attention
 from swiftlm.models.loader import CAUSAL_LM, load_model, load_tokenizer
 from swiftlm.models.quant import bnb_config, prepare_for_quantized_training
@@ -29,10 +29,6 @@ from swiftlm.monitor.data_health import (
 )
 from swiftlm.train.batching import BatchPlan, build_batch_plan
 from swiftlm.tuners.setup import apply_tuner
-
-# Vision-language models whose packed rows need nothing but restarting 1-D positions: their
-# image features are one tensor per image, scattered into the image tokens in order.
-PACKABLE = ("llava",)
 
 
 def build_method(cfg: TrainConfig, method_cls, model_path: str) -> tuple[Method, object, object]:

@@ -21,6 +21,7 @@ from swiftlm.checkpoint.targets import run_dir_of
 from swiftlm.config import TrainConfig
 from swiftlm.config.rules import Facts, pipeline
 from swiftlm.distributed.launch import launched_by_torchrun
+from swiftlm.methods.vision import PACKABLE
 from swiftlm.models.attention import flash_attention_available
 from swiftlm.models.vision import vision_language_type
 from swiftlm.train.autobatch import auto_batch_size
@@ -90,10 +91,11 @@ def default_padding_free(cfg: TrainConfig, device: torch.device, method_cls) -> 
     fast as batched; on CUDA that holds with flash-attn's varlen kernel, while without it
     per-sample SDPA calls (one host sync per layer) can cost more than the padding saves.
     Packed rows are already full, pipeline stages need fixed shapes, and some methods' samples
-    cannot share a row, nor can a vision-language model's (train.prepare.build_method).
+    cannot share a row, nor can those of the vision-language models outside PACKABLE.
     """
     fixed_shapes = cfg.train.packing or pipeline(cfg.dist) or not method_cls.supports_packing
-    fixed_shapes = fixed_shapes or bool(cfg.model.model and vision_language_type(cfg.model.model))
+    vision_type = vision_language_type(cfg.model.model) if cfg.model.model else None
+    fixed_shapes = fixed_shapes or bool(vision_type and vision_type not in PACKABLE)
     return not fixed_shapes and (device.type == "cpu" or flash_attention_available(device))
 
 
