@@ -32,6 +32,19 @@ ENCODING_VERSION = 6
 LENGTH_COLUMN = "length"
 
 
+class CachedLine(str):
+    """An encoding log line worded differently when its entry is read back: the run that
+    encodes prints the line itself, a cached run `cached` (e.g. an image preprocessing
+    throughput becomes "skipped": the work was not done again)."""
+
+    cached: str
+
+    def __new__(cls, line: str, cached: str):
+        self = super().__new__(cls, line)
+        self.cached = cached
+        return self
+
+
 def data_cache_root() -> Path:
     """Where tokenized datasets live: $SWIFTLM_DATA_CACHE, else <swiftlm cache>/tokenized."""
     from swiftlm.models.loader import cache_root
@@ -207,11 +220,11 @@ def load_or_encode_with_stats(
     `encode` returns ({split name: encoded samples}, log lines) or those and a JSON-able
     stats dict (e.g. truncation counts per split). Lines and stats are stored with the entry
     and given again on a cache hit, so a cached run reports the same truncation and skipped
-    rows. Every encoded sample holds `columns` (other keys are not stored); `length(sample)`
-    is stored per sample for batch planning (see sample_lengths). Column types are inferred
-    (ints, floats, strings, lists, nested lists ...), with integers inside lists as int32.
-    Either way the splits are read back memory-mapped, so a first run and a cached run see
-    identical samples.
+    rows (a CachedLine in its cached wording). Every encoded sample holds `columns` (other
+    keys are not stored); `length(sample)` is stored per sample for batch planning (see
+    sample_lengths). Column types are inferred (ints, floats, strings, lists, nested lists
+    ...), with integers inside lists as int32. Either way the splits are read back
+    memory-mapped, so a first run and a cached run see identical samples.
     """
     columns = tuple(columns)
     if LENGTH_COLUMN in columns:
@@ -240,7 +253,7 @@ def load_or_encode_with_stats(
     meta = {
         "splits": list(splits),
         "columns": list(columns),
-        "log": lines,
+        "log": [getattr(line, "cached", line) for line in lines],
         "stats": stats,
         "encode_seconds": seconds,
     }

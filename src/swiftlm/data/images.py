@@ -3,10 +3,11 @@
 A reference is a local path (absolute, or relative to the data file's folder, then to the
 working directory), a `file://` URL, an `http(s)://` URL (downloaded once into the swiftlm
 cache), a `data:image/...;base64,` URL or bare base64 (ms-swift accepts both). Checking a
-reference reads the file's header and verifies it (`PIL.Image.verify`), so a row whose image
-is missing, corrupt or of an unsupported format is named before training; the pixels are
-decoded only when the sample is encoded (`load_image`), and a decoding failure there is
-named the same way. Nothing is ever replaced by another image.
+reference verifies the file (`PIL.Image.verify`, which reads every PNG chunk) and decodes the
+pixels of other formats (JPEG at 1/8 scale), so a row whose image is missing, corrupt,
+truncated or of an unsupported format is named before training with the other bad rows; the
+full pixels are decoded when the sample is encoded (`load_image`), and a decoding failure
+there is named the same way. Nothing is ever replaced by another image.
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ def _local_path(reference: str, where: str) -> Path | None:
     path = Path(text).expanduser()
     candidates = [path] if path.is_absolute() else [*_folders(path), Path.cwd() / path]
     for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-        if candidate.exists():
-            raise _image_error(f"{where} {_short(reference)} is not a file")
+        try:
+            if candidate.is_file():
+                return candidate.resolve()
+            if candidate.exists():
+                raise _image_error(f"{where} {_short(reference)} is not a file")
+        except OSError:  # a name the file system refuses (too long: bare base64), no path
+            continue
     return None
 
 
@@ -122,13 +126,17 @@ def _data_url_bytes(reference: str, where: str) -> bytes:
 
 
 def _bare_base64(reference: str) -> bytes | None:
-    """The bytes of a bare base64 image (long, no path separators, decodes), else None."""
-    if len(reference) < 64 or "/" in reference[:1] or "." in reference[-6:]:
+    """The bytes of a bare base64 image (long, no file extension, decodes), else None."""
+    if len(reference) < 64 or "." in reference[-6:]:
         return None
     try:
-        return base64.b64decode(reference, validate=True)
+        data = base64.b64decode(reference, validate=True)
     except (binascii.Error, ValueError):
         return None
+    # A leading "/" is an absolute path, unless it is a JPEG's base64 ("/9j/": FF D8 FF).
+    if reference.startswith("/") and not data.startswith(b"\xff\xd8"):
+        return None
+    return data
 
 
 def _check_bytes(data: bytes, where: str, name: str) -> None:
@@ -138,6 +146,8 @@ def _check_bytes(data: bytes, where: str, name: str) -> None:
         with Image.open(io.BytesIO(data)) as image:
             kind = image.format
             image.verify()
+        if kind != "PNG":  # verify() reads every PNG chunk, but little of the other formats
+            _decode_small(data)
     except UnidentifiedImageError:
         raise _image_error(
             f"{where} ({name}) is not an image PIL can read; give a {', '.join(SUPPORTED_FORMATS[:5])} file"
@@ -149,6 +159,16 @@ def _check_bytes(data: bytes, where: str, name: str) -> None:
             f"{where} ({name}) is a {kind} image, which vision processors do not take; convert it "
             f"to PNG or JPEG"
         )
+
+
+def _decode_small(data: bytes) -> None:
+    """Decode an image's pixels to find truncated or damaged data (verify() passes a JPEG cut
+    in half); a JPEG is decoded at 1/8 scale, which still reads every coded block."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        image.draft("RGB", (1, 1))
+        image.load()
 
 
 def _downloaded(url: str, where: str) -> Path:

@@ -52,6 +52,13 @@ class ImageThroughput:
             f"({rate:.1f} images/s) with {type(processor).__name__}"
         )
 
+    def cached_summary(self) -> str:
+        """What a run that reads the features back from the tokenized-data cache says."""
+        return (
+            f"image preprocessing skipped: features of {self.images} images loaded from the "
+            "tokenized-data cache"
+        )
+
 
 def encode_vision_chat(
     processor,

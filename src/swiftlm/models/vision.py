@@ -97,14 +97,23 @@ def load_processor(path: str):
     return processor
 
 
+# Tokens that open or close an image without a processor attribute naming them: Qwen2-VL and
+# Qwen2.5-VL wrap each image's pads in these (and find the image by its start token).
+IMAGE_WRAPPER_TOKENS = ("<|vision_start|>", "<|vision_end|>")
+
+
 def image_token_ids(processor) -> set[int]:
-    """The ids of the tokens that stand for image content (never trained)."""
+    """The ids of the tokens that stand for image content or delimit it (never trained, and
+    never removed by truncation while the image stays)."""
     tokenizer = processor.tokenizer
-    ids = {getattr(processor, "image_token_id", None)}
+    names = ("image_token_id", "fake_image_token_id", "global_image_token_id")
+    ids = {getattr(processor, name, None) for name in names}
     for name in ("image_token", "boi_token", "eoi_token", "fake_image_token", "global_image_token"):
         token = getattr(processor, name, None) or getattr(tokenizer, name, None)
         if isinstance(token, str):
             ids.add(tokenizer.convert_tokens_to_ids(token))
+    added = tokenizer.get_added_vocab()
+    ids |= {added[token] for token in IMAGE_WRAPPER_TOKENS if token in added}
     return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
 
