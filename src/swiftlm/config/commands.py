@@ -126,6 +126,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "seed",
             "task",
             "max_pixels",
+            "images",
         }
     ),
     # Requests bring their own prompts and sampling; --system is the one data flag kept.
@@ -144,6 +145,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "max_batch_size",
             "stream",
             "task",  # a reward model is served for scoring (/v1/score), found from its files
+            "images",  # requests bring their images as image_url parts
         }
     ),
     # Tasks bring their own data; --dataset names the training data of the contamination
@@ -162,6 +164,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "stream",
             "task",
             "max_pixels",
+            "images",
         }
     ),
     "report": frozenset(),  # its own section only

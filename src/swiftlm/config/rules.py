@@ -304,6 +304,14 @@ INFER_RULES = (
         "--task score scores the conversations of --val_dataset (each ending with the answer "
         "to score); give them with --val_dataset",
     ),
+    Rule(
+        "images_are_for_chat",
+        lambda c, f: (
+            bool(c.infer.images) and (bool(c.data.val_dataset) or c.infer.task != "generate")
+        ),
+        "--images attaches images to the chat's first question; --val_dataset rows carry their "
+        "own (<image> tags with an `images` column, or image_url parts): drop --images",
+    ),
     CKPT_DIR_OR_ADAPTERS_RULE,
 )
 

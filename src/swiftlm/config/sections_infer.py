@@ -57,10 +57,18 @@ class InferArguments:
     )
     max_batch_size: int = doc(
         "Most sequences decoded together: the engine batches prompts continuously, a new "
-        "one joining as soon as another finishes.",
+        "one joining as soon as another finishes. Text models only: a vision-language model "
+        "answers one prompt at a time (continuous batching is text-only).",
         default=32,
     )
     stream: bool = doc("Interactive mode: print tokens as they are generated.", default=True)
+    images: list[str] = doc(
+        "Chat mode with a vision-language model: images (local paths, http(s) or data URLs) "
+        "of the first question. They fill its <image> tags in order; a question without tags "
+        "gets them all in front of its text. In the chat, `/image PATH ...` attaches images "
+        "to the next question the same way. Batch rows (--val_dataset) carry their own.",
+        default_factory=list,
+    )
     seed: int = doc("Seed for sampling.", default=42)
 
     def __post_init__(self):

@@ -29,7 +29,11 @@ class DeployArguments:
         "Default: the model's folder or hub name.",
         default=None,
     )
-    max_num_seqs: int = doc("Most sequences decoded together in one batch.", default=32)
+    max_num_seqs: int = doc(
+        "Most sequences decoded together in one batch. Text models only: a vision-language "
+        "model answers one request at a time (continuous batching is text-only).",
+        default=32,
+    )
     max_model_len: int | None = doc(
         "Longest sequence (prompt + generated tokens). Default: the model's context length.",
         default=None,
@@ -49,7 +53,15 @@ class DeployArguments:
         default=30.0,
     )
     max_body_bytes: int = doc(
-        "Largest request body in bytes; a bigger one is answered 413.", default=MIB
+        "Largest request body in bytes; a bigger one is answered 413 (base64 images count: "
+        "raise it to send large ones).",
+        default=MIB,
+    )
+    allow_local_images: bool = doc(
+        "Vision-language models: also accept image_url parts that are paths (or file:// URLs) "
+        "of files on the server's machine. Off by default: a client could otherwise make the "
+        "server read its files. data: and http(s) URLs are always accepted.",
+        default=False,
     )
 
     def __post_init__(self):

@@ -4,6 +4,12 @@ Each output line is
 `{"messages": [...prompt...], "response": str, "labels": str | null, "source": "path:line"}`,
 in input order. A conversation that ends with an assistant message has that message taken
 out of the prompt and stored as `labels` (the reference answer).
+
+With a vision-language model, rows may hold images: `<image>` tags with an `images` column
+(paths relative to the data file's folder, URLs or base64) or image_url/image content parts.
+Every image is checked while the rows are read, so a missing or damaged one is named
+(`file:line`) before anything is generated; the prompts written to the results file hold the
+checked references (absolute paths or data URLs). A text model refuses image rows.
 """
 
 import json
@@ -13,17 +19,20 @@ from functools import partial
 from pathlib import Path
 
 from swiftlm.config import InferConfig
-from swiftlm.data.columns import refuse_media_parts
-from swiftlm.data.formats import RowError, chat_sample
 from swiftlm.data.loading import load_samples
 from swiftlm.errors import ConfigError
+from swiftlm.infer.chat_images import text_prompt_sample, vision_prompt_sample
 from swiftlm.infer.frontend import InferEngine
 from swiftlm.infer.resolve import InferenceModel
 
 
-def run_batch(engine: InferEngine, cfg: InferConfig, spec: InferenceModel) -> list[dict]:
-    """Answer all `--val_dataset` samples, write the results file, return its records."""
-    samples = load_prompts(cfg, spec.system)
+def run_batch(
+    engine: InferEngine, cfg: InferConfig, spec: InferenceModel, samples: list[dict] | None = None
+) -> list[dict]:
+    """Answer all `--val_dataset` samples (`samples`: already loaded by `load_prompts`), write
+    the results file, return its records."""
+    if samples is None:
+        samples = load_prompts(cfg, spec.system, vision=getattr(engine, "takes_images", False))
     path = result_path(cfg, spec)
     make_parent(path)  # fail before generating, not after
     prompts, labels = zip(*(split_reference(s["messages"]) for s in samples), strict=True)
@@ -44,13 +53,14 @@ def run_batch(engine: InferEngine, cfg: InferConfig, spec: InferenceModel) -> li
     return records
 
 
-def load_prompts(cfg: InferConfig, system: str | None) -> list[dict]:
-    """The `--val_dataset` conversations; they may end with a user message (no answer)."""
+def load_prompts(cfg: InferConfig, system: str | None, vision: bool = False) -> list[dict]:
+    """The `--val_dataset` conversations; they may end with a user message (no answer).
+    `vision`: the model takes images, so rows may hold them (checked here)."""
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
     options = dict(require_answer=False, system=system, placeholders=placeholders, method="infer")
     samples, report = load_samples(
         cfg.data.val_dataset,
-        partial(prompt_sample, **options),
+        partial(vision_prompt_sample if vision else prompt_sample, **options),
         skip_bad_rows=cfg.data.skip_bad_rows,
         seed=cfg.data.data_seed,
     )
@@ -61,18 +71,8 @@ def load_prompts(cfg: InferConfig, system: str | None) -> list[dict]:
     return samples
 
 
-def prompt_sample(record: dict, **options) -> dict:
-    """A chat sample to answer. Images, tools and tool calls are refused: the engine renders
-    text-only prompts without tools, and would answer as if they did not exist."""
-    sample = chat_sample(record, **options)
-    refuse_media_parts(sample["messages"], "infer")
-    if "tools" in sample or any(m.get("tool_calls") for m in sample["messages"]):
-        raise RowError(
-            "tool calls",
-            "the row has tools or tool calls, which swiftlm infer does not pass to the chat "
-            "template yet: remove the 'tools' column and the tool-call turns",
-        )
-    return sample
+# A text model's rows: images, tools and tool calls refused (see chat_images).
+prompt_sample = text_prompt_sample
 
 
 def split_reference(messages: list[dict]) -> tuple[list[dict], str | None]:

@@ -3,12 +3,20 @@
 Commands: `clear` forgets the history, `exit` or `quit` leaves; so do end of input (Ctrl+D,
 or the end of piped stdin) and Ctrl+C. Piped input is read line by line, one question per
 line, so `echo "Who are you?" | swiftlm infer ...` prints the answer.
+
+With a vision-language model, `--images a.png b.png` are the images of the first question and
+`/image PATH [PATH ...]` attaches images to the next one: they fill the question's `<image>`
+tags in order, or go in front of its text when it has none (infer.chat_images). A question
+whose tags and images do not pair up is refused with a line saying why, and not asked.
 """
 
 import contextlib
 import sys
 
 from swiftlm.config import GenerationArguments
+from swiftlm.data.rows import RowError
+from swiftlm.errors import ConfigError
+from swiftlm.infer.chat_images import IMAGE_COMMAND, question_content, resolve_references
 from swiftlm.infer.frontend import InferEngine
 
 PROMPT = "<<< "
@@ -18,13 +26,25 @@ CLEAR_COMMAND = "clear"
 
 
 def run_chat(
-    engine: InferEngine, gen: GenerationArguments, *, system: str | None = None, stream: bool = True
+    engine: InferEngine,
+    gen: GenerationArguments,
+    *,
+    system: str | None = None,
+    stream: bool = True,
+    images: list[str] | None = None,
 ) -> None:
-    """Chat until the user exits or input ends."""
+    """Chat until the user exits or input ends. `images` (checked references, --images) go
+    with the first question."""
     interactive = sys.stdin.isatty()
+    takes_images = getattr(engine, "takes_images", False)
     if interactive:
-        print("Chat started. Type `clear` to forget the history, `exit` to quit.", flush=True)
+        extra = f", `{IMAGE_COMMAND} PATH` to attach an image" if takes_images else ""
+        print(
+            f"Chat started. Type `clear` to forget the history{extra}, `exit` to quit.",
+            flush=True,
+        )
     history: list[dict] = []
+    pending = list(images or [])  # images of the next question
     try:
         while (query := read_query(interactive)) is not None:
             command = query.strip().lower()
@@ -36,13 +56,40 @@ def run_chat(
                 history.clear()
                 print("History cleared.", flush=True)
                 continue
-            question = {"role": "user", "content": query}
+            if command.split()[0] == IMAGE_COMMAND:
+                pending += attach_command(query, takes_images)
+                continue
+            try:
+                content = question_content(query, pending) if takes_images else query
+            except RowError as exc:
+                print(f"Not asked: {exc}", flush=True)
+                continue
+            pending = []
+            question = {"role": "user", "content": content}
             answer = answer_query(
                 engine, gen, system_messages(system) + history + [question], stream
             )
             history += [question, {"role": "assistant", "content": answer}]
     except KeyboardInterrupt:
         print(flush=True)  # leave the shell prompt on a fresh line
+
+
+def attach_command(line: str, takes_images: bool) -> list[str]:
+    """The checked images of an `/image PATH ...` line (none, with a line saying why)."""
+    references = line.split()[1:]
+    if not takes_images:
+        print(f"{IMAGE_COMMAND}: this model is text-only; images need a vision-language model")
+        return []
+    if not references:
+        print(f"{IMAGE_COMMAND}: give the image paths or URLs, e.g. {IMAGE_COMMAND} cat.png")
+        return []
+    try:
+        checked = resolve_references(references, IMAGE_COMMAND)
+    except ConfigError as exc:
+        print(f"Not attached: {exc}", flush=True)
+        return []
+    print(f"Attached {len(checked)} image(s) to the next question.", flush=True)
+    return checked
 
 
 def read_query(interactive: bool) -> str | None:

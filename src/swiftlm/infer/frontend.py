@@ -3,6 +3,10 @@
 `ChatEngine` renders conversations with the chat template and sends them to the
 continuous-batching engine: `generate` submits every conversation at once (the engine
 batches them step by step), `stream` yields one answer's text as it is decoded.
+
+A vision-language model runs through `infer.vision.VisionEngine` instead (continuous batching
+is text-only): `VisionChatEngine` renders conversations with image parts through the model's
+processor and sends them one at a time to `model.generate`, behind the same interface.
 """
 
 import queue
@@ -14,6 +18,7 @@ from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import GenerationRequest, SampleDelta, SamplingParams, user_sampling
 from swiftlm.infer.engine import build_engine
 from swiftlm.infer.resolve import InferenceModel
+from swiftlm.infer.vision import VisionEngine, build_vision_engine, is_vision_model
 
 
 class InferEngine(Protocol):
@@ -33,9 +38,25 @@ def engine_for_model(
     max_num_seqs: int = 32,
     adapters: dict[str, str] | None = None,
     max_model_len: int | None = None,
-) -> ContinuousEngine:
+    max_pixels: int = 0,
+) -> ContinuousEngine | VisionEngine:
     """The engine for a resolved model: its run adapters merged in, `adapters` (name -> folder)
-    served unmerged beside it (`swiftlm deploy`)."""
+    served unmerged beside it (`swiftlm deploy`). A vision-language model gets a
+    `VisionEngine` (transformers' generate, one request at a time: continuous batching is
+    text-only)."""
+    if is_vision_model(spec.base_path):
+        return build_vision_engine(
+            spec.base_path,
+            tokenizer_path=spec.tokenizer_path,
+            merge_adapters=spec.adapters,
+            adapters=adapters,
+            torch_dtype=spec.torch_dtype,
+            device=model_args.device,
+            attn_impl=model_args.attn_impl,
+            max_model_len=max_model_len,
+            seed=seed,
+            max_pixels=max_pixels,
+        )
     return build_engine(
         spec.base_path,
         tokenizer_path=spec.tokenizer_path,
@@ -51,13 +72,23 @@ def engine_for_model(
 
 
 def build_chat_engine(
-    spec: InferenceModel, model_args: ModelArguments, seed: int, max_num_seqs: int = 32
+    spec: InferenceModel,
+    model_args: ModelArguments,
+    seed: int,
+    max_num_seqs: int = 32,
+    max_pixels: int = 0,
 ) -> "ChatEngine":
-    """The model of `spec` with its adapters merged in (infer serves one model)."""
-    return ChatEngine(engine_for_model(spec, model_args, seed, max_num_seqs))
+    """The model of `spec` with its adapters merged in (infer serves one model);
+    `max_pixels` (--max_pixels) scales down the images of a vision-language model."""
+    engine = engine_for_model(spec, model_args, seed, max_num_seqs, max_pixels=max_pixels)
+    if isinstance(engine, VisionEngine):
+        return VisionChatEngine(engine)
+    return ChatEngine(engine)
 
 
 class ChatEngine:
+    takes_images = False  # whether conversations may hold image parts
+
     def __init__(self, engine: ContinuousEngine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -118,6 +149,26 @@ class ChatEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class VisionChatEngine(ChatEngine):
+    """`ChatEngine` over a `VisionEngine`: conversations may hold image parts
+    (`{"type": "image", "image": reference}`, checked by data.images.resolve_image), which the
+    model's processor turns into image tokens and pixel features."""
+
+    takes_images = True
+    engine: VisionEngine
+
+    def request(self, conversation: list[dict], gen: GenerationArguments) -> GenerationRequest:
+        prompt = self.engine.encode(conversation)
+        room = self.engine.max_model_len - len(prompt.ids)
+        if room < 1:
+            raise ValueError(
+                f"a prompt of {len(prompt.ids)} tokens (images included) leaves no room to "
+                f"answer within the context length of {self.engine.max_model_len} tokens"
+            )
+        params = sampling_params(gen, max_tokens=min(gen.max_new_tokens, room))
+        return self.engine.request(prompt, params)
 
 
 def sampling_params(gen: GenerationArguments, max_tokens: int) -> SamplingParams:

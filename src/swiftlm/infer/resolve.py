@@ -9,8 +9,8 @@ The user points at a model in one of these ways:
   adapter / Hugging Face model folder.
 
 An adapter's base model comes from `--model` when given, else from the run's `config.yaml`,
-else from `adapter_config.json`. A run's system prompt and dtype are inherited unless the
-user sets them.
+else from `adapter_config.json`. A run's system prompt, dtype and --max_pixels are inherited
+unless the user sets them.
 """
 
 import json
@@ -40,6 +40,7 @@ class InferenceModel:
     description: str  # one line for the console: what was loaded
     ckpt_dir: str | None = None  # where batch results go by default (the run dir if known)
     base_name: str | None = None  # the base model's short name, when a base was resolved
+    max_pixels: int = 0  # --max_pixels, or the run's when the user left it at 0 (images)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def resolve_inference_model(cfg: InferConfig) -> InferenceModel:
             cfg.model.torch_dtype,
             base.requested,
             base_name=base.name,
+            max_pixels=cfg.data.max_pixels,
         )
     full = [c for c in checkpoints if not c.is_adapter]
     if full:
@@ -101,6 +103,7 @@ def _full_model(cfg: InferConfig, ckpt: _Checkpoint, count: int) -> InferenceMod
         torch_dtype=_inherit_dtype(cfg, ckpt),
         description=f"full model {ckpt.folder}",
         ckpt_dir=_results_root(ckpt),
+        max_pixels=_inherit_max_pixels(cfg, ckpt),
     )
 
 
@@ -118,6 +121,7 @@ def _adapters_on_base(cfg: InferConfig, checkpoints: list[_Checkpoint]) -> Infer
         description=f"{base.requested} + adapter {names}",
         ckpt_dir=_results_root(first),
         base_name=base.name,
+        max_pixels=_inherit_max_pixels(cfg, first),
     )
 
 
@@ -242,6 +246,13 @@ def _inherit_dtype(cfg: InferConfig, ckpt: _Checkpoint) -> str:
     if cfg.model.torch_dtype != "auto" or ckpt.run_config is None:
         return cfg.model.torch_dtype
     return ckpt.run_config.model.torch_dtype
+
+
+def _inherit_max_pixels(cfg: InferConfig, ckpt: _Checkpoint) -> int:
+    """Images are scaled as in training unless the user sets --max_pixels."""
+    if cfg.data.max_pixels or ckpt.run_config is None:
+        return cfg.data.max_pixels
+    return getattr(ckpt.run_config.data, "max_pixels", 0)
 
 
 def _results_root(ckpt: _Checkpoint) -> str:

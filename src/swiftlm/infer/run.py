@@ -5,11 +5,13 @@ from swiftlm.checkpoint.targets import check_weights_folders
 from swiftlm.config import InferConfig
 from swiftlm.config.paths import check_writable_file
 from swiftlm.config.rules import check
-from swiftlm.infer.batch import run_batch
+from swiftlm.infer.batch import load_prompts, run_batch
 from swiftlm.infer.chat import run_chat
+from swiftlm.infer.chat_images import check_images
 from swiftlm.infer.frontend import build_chat_engine
 from swiftlm.infer.resolve import resolve_inference_model
 from swiftlm.infer.score import check_task, run_scoring
+from swiftlm.infer.vision import is_vision_model
 from swiftlm.train.preflight import check_dataset_paths
 
 
@@ -29,12 +31,19 @@ def run(cfg: InferConfig) -> list[dict] | None:
     check_task(cfg.infer.task, spec)
     if cfg.infer.task == "score":
         return run_scoring(cfg, spec)
+    images = check_images(cfg.infer.images, spec)
+    # A vision-language model's rows may hold images: each is checked here, before loading.
+    samples = None
+    if cfg.data.val_dataset and is_vision_model(spec.base_path):
+        samples = load_prompts(cfg, spec.system, vision=True)
     print(f"Loading {spec.description}", flush=True)
-    engine = build_chat_engine(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
+    engine = build_chat_engine(
+        spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size, spec.max_pixels
+    )
     try:
         if cfg.data.val_dataset:
-            return run_batch(engine, cfg, spec)
-        run_chat(engine, cfg.generation, system=spec.system, stream=cfg.infer.stream)
+            return run_batch(engine, cfg, spec, samples)
+        run_chat(engine, cfg.generation, system=spec.system, stream=cfg.infer.stream, images=images)
         return None
     finally:
         engine.shutdown()

@@ -4,6 +4,8 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (w
 or server-sent events), `GET /health`, `GET /metrics`, and the chat page at `GET /`. Every route
 but /health and / needs an API key when keys are set (the page holds no secret: it asks for the
 key and sends it with its API calls); every error is an OpenAI error object (`errors.py`).
+A vision-language model's chat route also takes image_url parts (`vision.py`); its engine is
+infer.vision.VisionEngine (continuous batching is text-only).
 """
 
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ class ServerSettings:
     max_n: int = 16
     request_timeout: float = 600.0
     system: str | None = None  # system prompt for conversations that have none
+    allow_local_images: bool = False  # image_url parts may name files on this machine
 
 
 def create_app(

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from swiftlm.engine.protocol import Engine, GenerationRequest, SampleDelta, SamplingParams
+from swiftlm.infer.vision import VisionRequest
 from swiftlm.serve import responses as r
 from swiftlm.serve.errors import APIError, error_body
 from swiftlm.serve.generation import (
@@ -34,6 +35,7 @@ from swiftlm.serve.translate import (
     reject_unsupported,
     sampling_params,
 )
+from swiftlm.serve.vision import reject_images, vision_prompt
 
 
 @dataclass
@@ -105,18 +107,29 @@ class Completions:
         # The grammar ends a constrained answer with one of the engine's end-of-turn tokens.
         stop_ids = getattr(engine, "stop_token_ids", None) or [tokenizer.eos_token_id]
         self.constraints = Constraints(tokenizer, stop_ids)
+        # A vision-language model's engine (infer.vision) takes image parts.
+        self.vision = getattr(engine, "vision", False)
 
     def _params(self, body, prompt_ids: list[int]) -> SamplingParams:
         max_model_len = self.engine.stats().max_model_len
         return sampling_params(body, len(prompt_ids), max_model_len, self.settings.max_n)
 
     def _job(
-        self, body, http: Request, endpoint: str, prompts: list[list[int]], constraint=None
+        self,
+        body,
+        http: Request,
+        endpoint: str,
+        prompts: list[list[int]],
+        constraint=None,
+        features: list[dict] | None = None,
     ) -> Job:
+        """`features`: per prompt, the image features of a vision-language model's prompt."""
         adapter = self.models.adapter_for(body.model)
         requests = [
             GenerationRequest(ids, self._params(body, ids), adapter, constraint=constraint)
-            for ids in prompts
+            if features is None
+            else VisionRequest(ids, self._params(body, ids), adapter, features=features[i])
+            for i, ids in enumerate(prompts)
         ]
         job = Job(self.engine, requests, self.limits, self.metrics, body.model, endpoint, http)
         return job.start()
@@ -125,9 +138,23 @@ class Completions:
         reject_unsupported(body)
         self.models.adapter_for(body.model)  # 404 before any tokenizing
         # Off the event loop: rendering and tokenizing a long conversation takes a while.
-        ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, body, self.settings.system)
-        constraint = await asyncio.to_thread(self.constraints.for_request, body)
-        job = self._job(body, http, "chat", [ids], constraint)
+        if self.vision:  # images decoded and processed here; a bad one is a 400
+            prompt = await asyncio.to_thread(
+                vision_prompt,
+                self.engine,
+                body,
+                self.settings.system,
+                self.settings.allow_local_images,
+            )
+            ids = prompt.ids
+            job = self._job(body, http, "chat", [ids], features=[prompt.features])
+        else:
+            reject_images(body, body.model)
+            ids = await asyncio.to_thread(
+                chat_prompt_ids, self.tokenizer, body, self.settings.system
+            )
+            constraint = await asyncio.to_thread(self.constraints.for_request, body)
+            job = self._job(body, http, "chat", [ids], constraint)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now_s()
         texts = self.texts if body.logprobs else None
         tools = template_tools(body) is not None  # answers may hold tool calls to parse

@@ -73,6 +73,7 @@ def start_engine(cfg: DeployConfig, plan: DeployPlan):
         max_num_seqs=d.max_num_seqs,
         adapters=plan.named_adapters,
         max_model_len=d.max_model_len,
+        max_pixels=plan.spec.max_pixels,
     )
 
 
@@ -89,6 +90,7 @@ def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
         max_n=args.max_n,
         request_timeout=args.request_timeout,
         system=plan.spec.system,
+        allow_local_images=args.allow_local_images,
     )
     if plan.reward_model:
         from swiftlm.serve.scoring import create_scoring_app

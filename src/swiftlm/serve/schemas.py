@@ -6,7 +6,7 @@ ignored. A few OpenAI fields are accepted and ignored, each for a stated reason
 them gets a 400 that says so (`UNSUPPORTED_FIELDS`), never a silent default.
 """
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,6 +50,21 @@ class TextPart(Strict):
     text: str
 
 
+class ImageURL(Strict):
+    url: str  # data:image/...;base64,..., http(s)://..., or (--allow_local_images) a path
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor decides
+
+
+class ImagePart(Strict):
+    """OpenAI's image content part; only a vision-language model takes it (serve.vision)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -64,15 +79,21 @@ class ToolCall(Strict):
 class ChatMessage(Strict):
     # "developer" is OpenAI's newer name for "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if part.type == "text")
         return self.content or ""
+
+    def image_parts(self) -> list[tuple[int, "ImagePart"]]:
+        """(index in content, part) of each image part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, part) for i, part in enumerate(self.content) if part.type == "image_url"]
 
 
 class SamplingFields(Strict):
