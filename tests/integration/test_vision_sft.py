@@ -244,6 +244,13 @@ def test_cached_run_skips_image_preprocessing_and_says_so(vlm_dirs, tmp_path, ca
     # Same samples either way: the same first-step loss.
     assert logged(tmp_path / "first", "loss") == logged(tmp_path / "second", "loss")
 
+    # An image changed in place (same path, same data file): its features are encoded again.
+    vh.write_picture(tmp_path / "picture0.png", vh.COLOURS["blue"], (60, 44), seed=9)
+    assert run_sft(folder, data, tmp_path / "third", **flags) == 0
+    third = capsys.readouterr().out
+    assert f"{tmp_path / 'picture0.png'} changed since; re-encoding" in third
+    assert "image preprocessing: 5 images in " in third
+
 
 def test_truncation_never_cuts_an_image(vlm_dirs, tmp_path, capsys):
     """--truncation_strategy right: a sample whose cut reaches its image is deleted and

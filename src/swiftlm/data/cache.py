@@ -45,6 +45,31 @@ class CachedLine(str):
         return self
 
 
+# Stats key: {path: [size, mtime_ns]} of files an encoding read besides the data files.
+FILES_READ = "files_read"
+
+
+def file_fingerprints(paths) -> dict[str, list[int]]:
+    """{path: [size, mtime_ns]} of local files (the FILES_READ stats of an encoding)."""
+    fingerprints = {}
+    for path in sorted(set(paths)):
+        stat = os.stat(path)
+        fingerprints[path] = [stat.st_size, stat.st_mtime_ns]
+    return fingerprints
+
+
+def first_changed_file(fingerprints: dict[str, list[int]]) -> str | None:
+    """The first file whose size or time differs from its fingerprint (or that is gone)."""
+    for path, (size, mtime) in fingerprints.items():
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return path
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime):
+            return path
+    return None
+
+
 def data_cache_root() -> Path:
     """Where tokenized datasets live: $SWIFTLM_DATA_CACHE, else <swiftlm cache>/tokenized."""
     from swiftlm.models.loader import cache_root
@@ -218,7 +243,9 @@ def load_or_encode_with_stats(
     saved to `folder`).
 
     `encode` returns ({split name: encoded samples}, log lines) or those and a JSON-able
-    stats dict (e.g. truncation counts per split). Lines and stats are stored with the entry
+    stats dict (e.g. truncation counts per split). The stats' FILES_READ entry lists files
+    the encoding read besides the data files (a row's images), which the key does not hash:
+    an entry whose file changed size or time since is encoded again. Lines and stats are stored with the entry
     and given again on a cache hit, so a cached run reports the same truncation and skipped
     rows (a CachedLine in its cached wording). Every encoded sample holds `columns` (other
     keys are not stored); `length(sample)` is stored per sample for batch planning (see
@@ -237,13 +264,17 @@ def load_or_encode_with_stats(
             log(f"tokenized-data cache entry {folder} is unreadable ({exc!r}); re-tokenizing")
             shutil.rmtree(folder, ignore_errors=True)
         else:
-            for line in meta["log"]:
-                log(line)
-            log(
-                f"tokenized data loaded from cache in {time.perf_counter() - started:.2f} s "
-                f"(encoding took {meta['encode_seconds']:.2f} s): {folder}"
-            )
-            return splits, meta.get("stats", {})
+            changed = first_changed_file(meta.get("stats", {}).get(FILES_READ, {}))
+            if changed is None:
+                for line in meta["log"]:
+                    log(line)
+                log(
+                    f"tokenized data loaded from cache in {time.perf_counter() - started:.2f} s "
+                    f"(encoding took {meta['encode_seconds']:.2f} s): {folder}"
+                )
+                return splits, meta.get("stats", {})
+            log(f"tokenized-data cache entry {folder}: {changed} changed since; re-encoding")
+            shutil.rmtree(folder, ignore_errors=True)
     started = time.perf_counter()
     splits, lines, *rest = encode()
     stats = rest[0] if rest else {}

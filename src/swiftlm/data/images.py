@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import hashlib
 import io
+import os
 from pathlib import Path
 
 from swiftlm.data.rows import RowError
@@ -25,6 +26,8 @@ from swiftlm.data.rows import RowError
 # What PIL decodes that vision processors take (RGB conversion is done on load).
 SUPPORTED_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF", "PPM", "MPO")
 URL_SCHEMES = ("http://", "https://")
+# Largest image downloaded from an http(s) URL (photos are a few MiB).
+MAX_DOWNLOAD_BYTES = 32 << 20
 
 # The folder of the data file whose rows are being read (set by data.loading).
 _data_folder: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -182,13 +185,18 @@ def _downloaded(url: str, where: str) -> Path:
 
     try:
         with urllib.request.urlopen(url, timeout=30) as response:  # noqa: S310 - user's data
-            data = response.read()
+            data = response.read(MAX_DOWNLOAD_BYTES + 1)
     except OSError as exc:
         raise _image_error(
             f"{where} {_short(url)} could not be downloaded ({exc}); download it and give its path"
         ) from None
+    if len(data) > MAX_DOWNLOAD_BYTES:  # a server fetches URLs its clients send: bound them
+        raise _image_error(
+            f"{where} {_short(url)} is larger than {MAX_DOWNLOAD_BYTES >> 20} MiB; give a "
+            "smaller image"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
+    partial = target.with_suffix(f".partial-{os.getpid()}")
     partial.write_bytes(data)
     partial.rename(target)
     return target

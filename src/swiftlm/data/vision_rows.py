@@ -9,6 +9,8 @@ do not pair up, or whose image is missing, damaged or of another format, is a Ro
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from swiftlm.data.columns import given
 from swiftlm.data.formats import chat_sample
 from swiftlm.data.images import resolve_image
@@ -20,13 +22,12 @@ IMAGE_TAG = "<image>"
 IMAGE_COLUMNS = ("images", "rejected_images")
 
 
-def vision_chat_sample(
-    record: dict, *, system: str | None = None, placeholders: dict | None = None, method: str
-) -> dict:
-    """chat_sample's schema, with the row's images attached and checked."""
+def vision_chat_sample(record: dict, **options) -> dict:
+    """chat_sample's schema (and its options: `require_answer`, `system`, `placeholders`,
+    `method`), with the row's images attached and checked."""
     images = _image_list(record.get("images"), "images")
     text_record = {k: v for k, v in record.items() if k != "images"}
-    sample = chat_sample(text_record, system=system, placeholders=placeholders, method=method)
+    sample = chat_sample(text_record, **options)
     sample["messages"] = attach_images(sample["messages"], images, "images")
     return sample
 
@@ -92,6 +93,25 @@ def attach_images(messages: list[dict], images: list[str], column: str) -> list[
             content = parts
         checked.append({**message, "content": content})
     return checked
+
+
+def local_image_files(samples: list[dict]) -> list[str]:
+    """The local image files of samples' conversations (`messages`, or a pair's `chosen` and
+    `rejected`): inline and downloaded images are not files the data cache must watch."""
+    files = []
+    for sample in samples:
+        for key in ("messages", "chosen", "rejected"):
+            for message in sample.get(key, []):
+                files += [
+                    ref for ref in content_images(message["content"]) if not ref.startswith("data:")
+                ]
+    return [ref for ref in files if not _in_download_cache(ref)]
+
+
+def _in_download_cache(path: str) -> bool:
+    from swiftlm.models.loader import cache_root
+
+    return Path(path).parent == cache_root() / "images"
 
 
 def count_images(messages: list[dict]) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from swiftlm.data.columns import refuse_media_parts
 from swiftlm.data.formats import RowError, chat_sample
 from swiftlm.data.images import resolve_image
-from swiftlm.data.vision_rows import IMAGE_TAG, _image_list, attach_images
+from swiftlm.data.vision_rows import IMAGE_TAG, attach_images, vision_chat_sample
 from swiftlm.errors import ConfigError
 from swiftlm.infer.resolve import InferenceModel
 from swiftlm.infer.vision import is_vision_model
@@ -76,10 +76,7 @@ def vision_prompt_sample(record: dict, **options) -> dict:
     """A chat sample to answer with a vision-language model: `<image>` tags filled from the
     row's `images` (paths relative to the data file's folder), image_url/image parts kept,
     every image checked (a bad one is a RowError, reported as file:line before generating)."""
-    images = _image_list(record.get("images"), "images")
-    text_record = {k: v for k, v in record.items() if k != "images"}
-    sample = chat_sample(text_record, **options)
-    sample["messages"] = attach_images(sample["messages"], images, "images")
+    sample = vision_chat_sample(record, **options)
     _refuse_tools(sample)
     return sample
 

@@ -49,6 +49,8 @@ class EncodeResult:
     log: list[str] = field(default_factory=list)
     # TruncationReport.as_dict(): the counts behind the log line, for the data-health summary
     truncation: dict = field(default_factory=dict)
+    # Local files read besides the data files (images): the cache re-encodes when one changes
+    files_read: list[str] = field(default_factory=list)
 
 
 class Method(Protocol):

@@ -38,7 +38,7 @@ from swiftlm.data.encode import IGNORE_INDEX, TruncationReport, encode_chat, tru
 from swiftlm.data.preference import preference_sample
 from swiftlm.data.vision_batch import VISION_COLUMN
 from swiftlm.data.vision_encode import ImageThroughput, encode_vision_chat, truncate_vision
-from swiftlm.data.vision_rows import vision_preference_sample
+from swiftlm.data.vision_rows import local_image_files, vision_preference_sample
 from swiftlm.errors import DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.preference import (
@@ -117,10 +117,11 @@ class DPO:
                 f"no preference pair fits --max_length {d.max_length} with "
                 f"--truncation_strategy {d.truncation_strategy} ({report}); raise --max_length"
             )
-        lines = [report.summary()] if report.summary() else []
-        if self.vision is not None:
-            lines = self.vision.lines(report, throughput)
-        return EncodeResult(encoded, lines, report.as_dict())
+        if self.vision is None:
+            lines = [report.summary()] if report.summary() else []
+            return EncodeResult(encoded, lines, report.as_dict())
+        lines = self.vision.lines(report, throughput)
+        return EncodeResult(encoded, lines, report.as_dict(), local_image_files(samples))
 
     def _encode_side(self, messages, report, throughput) -> dict | None:
         """One side's ids and labels (and image features), truncated; None: dropped."""

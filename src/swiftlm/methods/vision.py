@@ -18,6 +18,7 @@ from swiftlm.data.collate import IMAGE_INPUTS
 from swiftlm.data.encode import TruncationReport
 from swiftlm.data.vision_batch import collate_image_features
 from swiftlm.data.vision_encode import encode_vision_samples
+from swiftlm.data.vision_rows import local_image_files
 from swiftlm.methods.base import EncodeResult
 from swiftlm.methods.vision_positions import (
     TOKEN_TYPES,
@@ -58,7 +59,8 @@ class VisionInputs:
             self.image_ids,
             self.max_pixels,
         )
-        return EncodeResult(encoded, self.lines(report, throughput), report.as_dict())
+        lines = self.lines(report, throughput)
+        return EncodeResult(encoded, lines, report.as_dict(), local_image_files(samples))
 
     def lines(self, report: TruncationReport, throughput) -> list[str]:
         # The throughput is this run's: a cached run says it skipped the preprocessing.

@@ -6,8 +6,10 @@ import torch
 
 from swiftlm.config import TrainConfig
 from swiftlm.data.cache import (
+    FILES_READ,
     cache_key,
     data_cache_root,
+    file_fingerprints,
     load_or_encode_with_stats,
     sample_lengths,
 )
@@ -103,7 +105,7 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
 
     def encode() -> tuple[dict, list[str], dict]:
         lines: list[str] = []
-        splits, truncation = {}, {}
+        splits, truncation, files = {}, {}, []
         for name, samples in zip(
             ("train", "val"), load_splits(cfg, method, lines.append), strict=True
         ):
@@ -111,7 +113,8 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
             splits[name] = result.samples if result else []
             lines += result.log if result else []
             truncation[name] = getattr(result, "truncation", {}) if result else {}
-        return splits, lines, {"truncation": truncation}
+            files += getattr(result, "files_read", []) if result else []
+        return splits, lines, {"truncation": truncation, FILES_READ: file_fingerprints(files)}
 
     if not cfg.data.load_from_cache_file:
         splits, lines, stats = encode()
