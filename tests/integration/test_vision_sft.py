@@ -297,3 +297,19 @@ def test_truncation_never_cuts_an_image(vlm_dirs, tmp_path, capsys):
 
 def _ids(encoded: list[dict]) -> list[list[int]]:
     return [sample["input_ids"] for sample in encoded]
+
+
+def test_images_preprocessed_in_worker_processes_train_the_same(vlm_dirs, tmp_path, capsys):
+    """--dataset_num_proc 2: chunks of the rows are preprocessed in two spawned processes;
+    the encoded samples, and so the training, are those of one process."""
+    rows = vh.colour_rows(tmp_path, 8)
+    rows[-1]["messages"][0]["content"] = f"Say hello ({uuid.uuid4().hex})."
+    data = write_jsonl(tmp_path / "colours.jsonl", rows)
+    folder = vlm_dirs("llava")
+    flags = dict(max_steps=2, per_device_train_batch_size=4, load_from_cache_file="false")
+    assert run_sft(folder, data, tmp_path / "one", **flags) == 0
+    assert run_sft(folder, data, tmp_path / "two", dataset_num_proc=2, **flags) == 0
+    out = capsys.readouterr().out
+    assert "image preprocessing: 9 images in " in out
+    assert " images/s) with LlavaProcessor in 2 processes" in out
+    assert logged(tmp_path / "two", "loss") == logged(tmp_path / "one", "loss")

@@ -94,7 +94,9 @@ class DeployConfig:
 _EXPORT_ONLY = frozenset({"group_size", "quant_n_samples"})
 _SFT_ONLY = frozenset({"system", "loss_scope", "truncation_strategy", "model_name", "model_author"})
 # Flags of vision-language training (sft, dpo).
-_VISION_TRAINING = frozenset({"max_pixels", "freeze_vit", "freeze_aligner", "freeze_llm"})
+_VISION_TRAINING = frozenset(
+    {"max_pixels", "freeze_vit", "freeze_aligner", "freeze_llm", "dataset_num_proc"}
+)
 UNUSED_FLAGS: dict[str, frozenset[str]] = {
     "sft": _EXPORT_ONLY,
     # Pre-training reads plain text cut into --max_length chunks: no chat, no truncation.
@@ -104,6 +106,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
     # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
     "infer": frozenset(
         {
+            "dataset_num_proc",
             "dataset",
             "split_dataset_ratio",
             "max_length",
@@ -115,6 +118,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
     # --dataset is calibration data for gptq/awq, rendered like training with every token kept.
     "export": frozenset(
         {
+            "dataset_num_proc",
             "val_dataset",
             "split_dataset_ratio",
             "truncation_strategy",
@@ -132,6 +136,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
     # Requests bring their own prompts and sampling; --system is the one data flag kept.
     "deploy": frozenset(
         {
+            "dataset_num_proc",
             "dataset",
             "val_dataset",
             "split_dataset_ratio",
@@ -152,6 +157,7 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
     # check (default: the evaluated run's), --system the system prompt of chat tasks.
     "eval": frozenset(
         {
+            "dataset_num_proc",
             "val_dataset",
             "split_dataset_ratio",
             "max_length",

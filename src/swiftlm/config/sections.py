@@ -97,6 +97,11 @@ class DataArguments:
         "kept) before the processor; 0 keeps the processor's own limits.",
         default=0,
     )
+    dataset_num_proc: int = doc(
+        "Vision-language SFT: processes that decode and preprocess images on a cache miss "
+        "(spawned, each with the processor); 1 preprocesses in the main process.",
+        default=1,
+    )
 
     def __post_init__(self):
         check_fields(
@@ -104,6 +109,7 @@ class DataArguments:
             split_dataset_ratio=within(0, 1, note="the fraction held out", open_high=True),
             max_length=at_least(2),
             max_pixels=at_least(0),
+            dataset_num_proc=at_least(1),
         )
 
 

@@ -44,12 +44,14 @@ class ImageThroughput:
 
     images: int = 0
     seconds: float = 0.0
+    workers: int = 1  # processes (--dataset_num_proc): then `seconds` is the wall time
 
     def summary(self, processor) -> str:
         rate = self.images / self.seconds if self.seconds else 0.0
+        processes = f" in {self.workers} processes" if self.workers > 1 else ""
         return (
             f"image preprocessing: {self.images} images in {self.seconds:.2f} s "
-            f"({rate:.1f} images/s) with {type(processor).__name__}"
+            f"({rate:.1f} images/s) with {type(processor).__name__}{processes}"
         )
 
     def cached_summary(self) -> str:
@@ -151,8 +153,29 @@ def encode_vision_samples(
     scope: str,
     image_ids: set[int],
     max_pixels: int = 0,
+    workers: int = 1,
 ) -> tuple[list[dict], TruncationReport, ImageThroughput]:
-    """Encode conversations with images; like data.encode.encode_chat_samples otherwise."""
+    """Encode conversations with images; like data.encode.encode_chat_samples otherwise.
+
+    `workers` > 1 (--dataset_num_proc): contiguous chunks of the samples are encoded in that
+    many fresh (spawned) processes, results kept in order; the throughput is then the wall
+    time of the whole encoding."""
+    options = (max_length, strategy, scope, image_ids, max_pixels)
+    if workers > 1 and len(samples) >= 2 * workers:
+        encoded, report, throughput = _encode_in_workers(processor, samples, options, workers)
+    else:
+        encoded, report, throughput = _encode_chunk(processor, samples, *options)
+    if not encoded:
+        raise DataError(
+            f"no sample is left to train on with --max_length {max_length} and "
+            f"--truncation_strategy {strategy} (of {len(samples)} samples: {report}); raise "
+            "--max_length (a sample's image tokens count too), or lower --max_pixels"
+        )
+    return encoded, report, throughput
+
+
+def _encode_chunk(processor, samples, max_length, strategy, scope, image_ids, max_pixels):
+    """(encoded samples, truncation report, throughput) of some samples, in order."""
     report = TruncationReport(strategy, max_length)
     throughput = ImageThroughput()
     encoded = []
@@ -177,10 +200,43 @@ def encode_vision_samples(
         item = truncate_vision(item, max_length, strategy, report, image_ids)
         if item is not None:
             encoded.append(item)
-    if not encoded:
-        raise DataError(
-            f"no sample is left to train on with --max_length {max_length} and "
-            f"--truncation_strategy {strategy} (of {len(samples)} samples: {report}); raise "
-            "--max_length (a sample's image tokens count too), or lower --max_pixels"
-        )
+    return encoded, report, throughput
+
+
+# The processor of a worker process (set once per worker by _start_worker).
+_WORKER_PROCESSOR = None
+
+
+def _start_worker(processor) -> None:
+    import torch
+
+    global _WORKER_PROCESSOR
+    _WORKER_PROCESSOR = processor
+    torch.set_num_threads(1)  # the workers share the cores
+
+
+def _encode_in_worker(samples: list[dict], options: tuple):
+    return _encode_chunk(_WORKER_PROCESSOR, samples, *options)
+
+
+def _encode_in_workers(processor, samples: list[dict], options: tuple, workers: int):
+    """_encode_chunk over chunks in `workers` spawned processes (fork could copy locks held
+    by torch's or the tokenizer's threads and hang), merged in order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    size = -(-len(samples) // (workers * 4))  # 4 chunks per worker even out slow images
+    chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
+    started = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, context, _start_worker, (processor,)) as pool:
+        results = list(pool.map(_encode_in_worker, chunks, [options] * len(chunks)))
+    report = TruncationReport(options[1], options[0])
+    throughput = ImageThroughput(workers=workers)
+    encoded = []
+    for chunk_encoded, chunk_report, chunk_throughput in results:
+        encoded += chunk_encoded
+        report.counts.update(chunk_report.counts)
+        throughput.images += chunk_throughput.images
+    throughput.seconds = time.perf_counter() - started
     return encoded, report, throughput

@@ -42,6 +42,7 @@ class VisionInputs:
     processor: object
     model_type: str
     max_pixels: int = 0
+    workers: int = 1  # --dataset_num_proc: processes that preprocess images (SFT)
     image_ids: set[int] = field(init=False)
     _rope_owner: object = field(init=False, default=None, repr=False)
 
@@ -58,6 +59,7 @@ class VisionInputs:
             scope or data.loss_scope,
             self.image_ids,
             self.max_pixels,
+            self.workers,
         )
         lines = self.lines(report, throughput)
         return EncodeResult(encoded, lines, report.as_dict(), local_image_files(samples))

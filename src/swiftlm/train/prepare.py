@@ -58,7 +58,7 @@ def build_method(cfg: TrainConfig, method_cls, model_path: str) -> tuple[Method,
             "per sample)"
         )
     processor = load_processor(model_path)
-    vision = VisionInputs(processor, vision_type, cfg.data.max_pixels)
+    vision = VisionInputs(processor, vision_type, cfg.data.max_pixels, cfg.data.dataset_num_proc)
     tokenizer = processor.tokenizer
     return method_cls(cfg, tokenizer, vision=vision), tokenizer, processor
 
