@@ -111,8 +111,15 @@ def load_sharded_state(folder: Path, model, optimizer, group=None) -> None:
     )
 
     target = folder / SHARDED_DIR
-    check_tensors_only(target)
+    saved = check_tensors_only(target)
     tensors, _ = sharded_state(model, optimizer)
+    # A parameter that had no gradient yet when the checkpoint was saved (a vision encoder's
+    # layer on steps without images) has no optimizer state there, and gets none here.
+    tensors["optimizer"] = {
+        name: state
+        for name, state in tensors["optimizer"].items()
+        if any(f"optimizer.{name}.{key}" in saved for key in state)
+    }
     try:
         with warnings.catch_warnings():  # one process reading a sharded run is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -126,11 +133,13 @@ def load_sharded_state(folder: Path, model, optimizer, group=None) -> None:
     # The keys came from this model; only the frozen ones it left out are "missing".
     set_model_state_dict(model, tensors["model"], options=_state_options(model, strict=False))
     optim = {"state": tensors["optimizer"], "param_groups": groups}
-    set_optimizer_state_dict(model, optimizer, optim, options=_state_options(model))
+    # Not strict: the parameters left without state above stay so.
+    options = _state_options(model, strict=False)
+    set_optimizer_state_dict(model, optimizer, optim, options=options)
 
 
-def check_tensors_only(target: Path) -> None:
-    """Refuse a `dcp/` folder whose loading could run code.
+def check_tensors_only(target: Path) -> set[str]:
+    """Refuse a `dcp/` folder whose loading could run code; return the names it holds.
 
     DCP unpickles its `.metadata` and would unpickle any non-tensor entry with
     torch.load(weights_only=False). swiftlm writes tensors only: the metadata is read here
@@ -153,6 +162,7 @@ def check_tensors_only(target: Path) -> None:
             f"{target} holds pickled objects ({', '.join(others[:3])}), not only tensors; "
             "swiftlm does not load pickle"
         )
+    return set(metadata.state_dict_metadata)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -12,9 +12,20 @@ from swiftlm.config.sections import DistArguments
 from swiftlm.distributed.compression import CommStats, register_compression
 
 
-def apply_ddp(model: torch.nn.Module, dp_mesh, device: torch.device) -> DistributedDataParallel:
+def apply_ddp(
+    model: torch.nn.Module, dp_mesh, device: torch.device, find_unused_parameters: bool = False
+) -> DistributedDataParallel:
+    """`find_unused_parameters`: some trainable parameters may get no gradient on a rank (a
+    vision-language model's vision encoder on a rank whose micro-batch has no image); DDP
+    then finds them after each forward and reduces zeros for them, at the cost of a graph
+    traversal per micro-batch."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=dp_mesh.get_group())
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        process_group=dp_mesh.get_group(),
+        find_unused_parameters=find_unused_parameters,
+    )
 
 
 def compress_gradients(model, args: DistArguments) -> CommStats | None:

@@ -43,11 +43,34 @@ def parallelize(
         apply_activation_checkpointing(model)
     if options.compile:
         compile_decoder_layers(model)
+    vision = vision_modules(model)
     if dims.dp > 1 and dims.data_parallel == "fsdp2":
-        apply_fsdp2(model, mesh["dp"], device, options.compute_dtype, options.fsdp_offload)
+        apply_fsdp2(model, mesh["dp"], device, options.compute_dtype, options.fsdp_offload, vision)
     elif dims.dp > 1:
-        model = apply_ddp(model, mesh["dp"], device)
+        trains_vision = any(p.requires_grad for m in vision for p in m.parameters())
+        model = apply_ddp(model, mesh["dp"], device, find_unused_parameters=trains_vision)
     return model
+
+
+def vision_modules(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision encoder and aligner (models.vision's part paths, also
+    under peft's prefix); [] for a text LM.
+
+    Ranks run them only on micro-batches with images, so one rank may skip them while another
+    runs them: DDP then needs unused-parameter detection, and FSDP2 keeps them in its root
+    unit (see fsdp2.apply_fsdp2)."""
+    from swiftlm.models.vision import is_vision_language, part_prefixes
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not is_vision_language(model_type):
+        return []
+    prefixes = part_prefixes(model_type)
+    paths = set(prefixes["vit"]) | set(prefixes["aligner"])
+    found = []
+    for name, module in model.named_modules():
+        if name.removeprefix("base_model.model.") in paths:
+            found.append(module)
+    return found
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:

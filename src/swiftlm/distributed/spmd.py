@@ -21,9 +21,9 @@ from swiftlm.distributed.comm_timing import CommTimer, probe_bus_bandwidth
 from swiftlm.distributed.compression import CommStats
 from swiftlm.distributed.ddp import compress_gradients
 from swiftlm.distributed.env import DistContext
-from swiftlm.distributed.fsdp2 import reshard
+from swiftlm.distributed.fsdp2 import SkippedModules, reshard
 from swiftlm.distributed.mesh import ParallelDims
-from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize
+from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize, vision_modules
 from swiftlm.errors import CheckpointError
 
 
@@ -44,6 +44,8 @@ class SPMDStrategy:
         self.saves = sharded.PendingSave()  # a background (--async_save) write in flight
         _, self.dp_rank, _ = dims.coordinates(ctx.rank)
         self.dp_size = dims.dp
+        # FSDP2: modules a rank may skip (a vision-language model's vision parts)
+        self.skipped = SkippedModules()
 
     def __str__(self) -> str:
         return str(self.dims)
@@ -52,6 +54,8 @@ class SPMDStrategy:
         mesh = self.dims.build_mesh(self.device.type)
         model = parallelize(model, self.dims, mesh, self.device, self.options)
         self.comm_stats = compress_gradients(model, self.args)
+        if self.dims.dp > 1 and self.dims.data_parallel == "fsdp2":
+            self.skipped = SkippedModules(vision_modules(model))
         return model
 
     def attach_optimizer(self, model, optimizer):
@@ -67,6 +71,7 @@ class SPMDStrategy:
         gradients.backward(loss, last_micro_batch)
 
     def clip_and_step(self, model, optimizer, max_norm: float, scaler) -> float:
+        self.skipped.drop_gradients()
         return gradients.clip_then_step(model.parameters(), optimizer, max_norm, scaler)
 
     @property

@@ -20,7 +20,7 @@ from swiftlm.checkpoint.folders import save_pretrained_atomically
 from swiftlm.config.sections import TrainArguments
 from swiftlm.distributed.env import DistContext, init_single_process_group
 from swiftlm.distributed.mesh import ParallelDims
-from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize
+from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize, vision_modules
 from swiftlm.errors import ConfigError
 
 BUILTIN_CONFIGS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -107,10 +107,36 @@ class DeepSpeedStrategy:
         return f"DeepSpeed {self.spec} over {self.ctx.world_size} {ranks}"
 
     def wrap(self, model):
+        self.refuse_skipped_vision(model)
         # The engine shards by itself: of the parallelize sequence, only activation
         # checkpointing and compile apply (dims of one rank).
         parallelize(model, ParallelDims(), None, self.device, self.options)
         return model  # the engine needs the optimizer: see attach_optimizer
+
+    def refuse_skipped_vision(self, model) -> None:
+        """A rank whose micro-batch has no image skips a vision-language model's vision
+        encoder and aligner. ZeRO-3 gathers their parameters as they run, and ZeRO-1/2 reduce
+        trained parameters' gradients in buckets filled as they arrive, so the other rank would
+        wait for collectives never made (a hang, or gloo's size mismatch): refused."""
+        vision = vision_modules(model)
+        if self.ctx.world_size == 1 or not vision:
+            return
+        trained = any(p.requires_grad for m in vision for p in m.parameters())
+        if self.stage < 3 and not trained:
+            return
+        model_type = model.config.model_type
+        why = (
+            "gathers the vision encoder's parameters as it runs"
+            if self.stage == 3
+            else "reduces the trained vision parts' gradients in buckets"
+        )
+        raise ConfigError(
+            f"--deepspeed {self.spec} with a vision-language model ({model_type}) on "
+            f"{self.ctx.world_size} ranks: a rank whose micro-batch has no image skips the "
+            f"vision encoder, while ZeRO-{self.stage} {why} on every rank, so the ranks would "
+            "wait for each other forever; use --strategy fsdp2 or ddp"
+            + ("" if self.stage == 3 else ", or keep --freeze_vit and --freeze_aligner true")
+        )
 
     def attach_optimizer(self, model, optimizer):
         """Build the DeepSpeed engine around the model and swiftlm's own AdamW."""
