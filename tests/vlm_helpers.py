@@ -89,9 +89,11 @@ def patched_qwen2_vl_loading():
             return processor
         return original(path)
 
-    with mock.patch.object(vision, "load_processor", load):
-        with mock.patch("swiftlm.train.prepare.load_processor", load):
-            yield
+    with (
+        mock.patch.object(vision, "load_processor", load),
+        mock.patch("swiftlm.train.prepare.load_processor", load),
+    ):
+        yield
 
 
 def build_qwen2_vl(out: Path, seed: int = 0) -> Path:
