@@ -31,7 +31,7 @@ def forbid_loading(monkeypatch) -> None:
 
     for target in (
         "swiftlm.train.run.resolve_model",
-        "swiftlm.train.run.load_tokenizer",
+        "swiftlm.train.prepare.load_tokenizer",
         "swiftlm.train.prepare.load_model",
         "swiftlm.infer.run.build_chat_engine",
         "swiftlm.infer.resolve.resolve_model",
