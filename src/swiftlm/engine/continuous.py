@@ -86,7 +86,7 @@ class ContinuousEngine:
             self._lock.notify()
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
-        collectors = [_Collector(r.params.n) for r in requests]
+        collectors = [SampleCollector(r.params.n) for r in requests]
         for request in requests:
             self.validate(request)
         for request, collector in zip(requests, collectors, strict=True):
@@ -186,7 +186,7 @@ def default_max_model_len(model) -> int:
     return min(context, DEFAULT_MAX_MODEL_LEN)
 
 
-class _Collector:
+class SampleCollector:
     """Gathers the deltas of one request's samples into `SampleResult`s."""
 
     def __init__(self, n: int):

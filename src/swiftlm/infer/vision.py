@@ -31,7 +31,7 @@ import torch
 
 from swiftlm.data.images import load_image
 from swiftlm.data.parts import content_images, flatten_text_parts
-from swiftlm.engine.continuous import default_max_model_len, stop_token_ids
+from swiftlm.engine.continuous import SampleCollector, default_max_model_len, stop_token_ids
 from swiftlm.engine.detokenize import IncrementalText, StopText
 from swiftlm.engine.protocol import (
     EngineStats,
@@ -196,7 +196,7 @@ class VisionEngine:
         """Run `requests` (one after another) and wait: per request, its samples in order."""
         for request in requests:
             self.validate(request)
-        collectors = [_Collector(r.params.n) for r in requests]
+        collectors = [SampleCollector(r.params.n) for r in requests]
         for request, collector in zip(requests, collectors, strict=True):
             self.submit(request, collector.add)
         return [collector.wait() for collector in collectors]
@@ -349,34 +349,6 @@ class _Sample:
         except Exception:  # a consumer's failure must not kill the worker
             log.exception("a delta callback failed; aborting request %s", delta.request_id)
             self.engine._aborted.add(delta.request_id)
-
-
-class _Collector:
-    """Gathers the deltas of one request's samples into `SampleResult`s."""
-
-    def __init__(self, n: int):
-        self.results = [SampleResult(i, [], "", [], "") for i in range(n)]
-        self.open = n
-        self.error: str | None = None
-        self.done = threading.Event()
-
-    def add(self, delta: SampleDelta) -> None:
-        result = self.results[delta.index]
-        result.token_ids += delta.token_ids
-        result.text += delta.text
-        if delta.error:
-            self.error = delta.error
-        if delta.finish_reason is not None:
-            result.finish_reason = delta.finish_reason
-            self.open -= 1
-            if not self.open:
-                self.done.set()
-
-    def wait(self) -> list[SampleResult]:
-        self.done.wait()
-        if self.error:
-            raise RuntimeError(f"generation failed: {self.error}")
-        return self.results
 
 
 def build_vision_engine(
