@@ -44,7 +44,7 @@ class ImageThroughput:
 
     images: int = 0
     seconds: float = 0.0
-    workers: int = 1  # processes (--dataset_num_proc): then `seconds` is the wall time
+    workers: int = 1  # processes (--dataset_num_proc)
 
     def summary(self, processor) -> str:
         rate = self.images / self.seconds if self.seconds else 0.0
@@ -158,13 +158,15 @@ def encode_vision_samples(
     """Encode conversations with images; like data.encode.encode_chat_samples otherwise.
 
     `workers` > 1 (--dataset_num_proc): contiguous chunks of the samples are encoded in that
-    many fresh (spawned) processes, results kept in order; the throughput is then the wall
-    time of the whole encoding."""
+    many fresh (spawned) processes, results kept in order. The throughput reported is images
+    over the wall time of the whole encoding (process start included), in either case."""
     options = (max_length, strategy, scope, image_ids, max_pixels)
+    started = time.perf_counter()
     if workers > 1 and len(samples) >= 2 * workers:
         encoded, report, throughput = _encode_in_workers(processor, samples, options, workers)
     else:
         encoded, report, throughput = _encode_chunk(processor, samples, *options)
+    throughput.seconds = time.perf_counter() - started  # the whole encoding, as waited for
     if not encoded:
         raise DataError(
             f"no sample is left to train on with --max_length {max_length} and "
@@ -227,7 +229,6 @@ def _encode_in_workers(processor, samples: list[dict], options: tuple, workers: 
 
     size = -(-len(samples) // (workers * 4))  # 4 chunks per worker even out slow images
     chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
-    started = time.perf_counter()
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, context, _start_worker, (processor,)) as pool:
         results = list(pool.map(_encode_in_worker, chunks, [options] * len(chunks)))
@@ -238,5 +239,4 @@ def _encode_in_workers(processor, samples: list[dict], options: tuple, workers: 
         encoded += chunk_encoded
         report.counts.update(chunk_report.counts)
         throughput.images += chunk_throughput.images
-    throughput.seconds = time.perf_counter() - started
     return encoded, report, throughput
