@@ -102,7 +102,9 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
     # Pre-training reads plain text cut into --max_length chunks: no chat, no truncation.
     "pt": _EXPORT_ONLY | _SFT_ONLY | _VISION_TRAINING,
     # The loss is on each pair's last answer; there is no self-cognition data to fill in.
-    "rlhf": _EXPORT_ONLY | frozenset({"loss_scope", "model_name", "model_author"}),
+    # Pairs are preprocessed in the main process (--dataset_num_proc is sft's).
+    "rlhf": _EXPORT_ONLY
+    | frozenset({"loss_scope", "model_name", "model_author", "dataset_num_proc"}),
     # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
     "infer": frozenset(
         {
