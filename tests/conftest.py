@@ -201,6 +201,21 @@ def max_weight_difference(file_a: Path, file_b: Path) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def stopped_at(run_dir: Path, step: int, copy_to: Path) -> Path:
+    """A copy of a finished run as if it had stopped right after saving checkpoint `step`."""
+    import shutil
+
+    shutil.copytree(run_dir, copy_to)
+    shutil.rmtree(copy_to / "final")
+    for folder in (copy_to / "checkpoints").glob("step-*"):
+        if int(folder.name[5:]) > step:
+            shutil.rmtree(folder)
+    rows = (copy_to / "metrics.jsonl").read_text().splitlines()
+    kept = [row for row in rows if json.loads(row)["step"] <= step]
+    (copy_to / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    return copy_to
+
+
 def tiny_sft(model_dir: Path, data: Path, out: Path, **flags) -> list:
     """`swiftlm sft` arguments for a tiny-model run: fp32, no TensorBoard, a log line per
     step, unless `flags` say otherwise; then `flags` as `--name value` (a list: several values).

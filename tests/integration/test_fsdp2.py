@@ -6,14 +6,13 @@ three launches in all. Single-process runs go through `main` in this process.
 """
 
 import json
-import shutil
 from concurrent.futures import Future
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import logged, max_weight_difference
+from conftest import logged, max_weight_difference, stopped_at
 from swiftlm.checkpoint import COMPLETE, mark_complete_when_written
 from swiftlm.checkpoint.sharded import PendingSave
 from swiftlm.cli.main import main
@@ -52,19 +51,6 @@ def fsdp2(base, out, port, *extra):
     args = ["--per_device_train_batch_size", "2", "--nproc_per_node", "2", "--master_port", port]
     args += ["--dist_timeout", "120"]  # a rank stuck in a collective fails the test quickly
     assert main([*base, "--output_dir", str(out), *args, *extra]) == 0
-
-
-def stopped_at(run_dir, step, copy_to):
-    """A copy of a finished run as if it had stopped right after saving checkpoint `step`."""
-    shutil.copytree(run_dir, copy_to)
-    shutil.rmtree(copy_to / "final")
-    for folder in (copy_to / "checkpoints").glob("step-*"):
-        if int(folder.name[5:]) > step:
-            shutil.rmtree(folder)
-    rows = (copy_to / "metrics.jsonl").read_text().splitlines()
-    kept = [row for row in rows if json.loads(row)["step"] <= step]
-    (copy_to / "metrics.jsonl").write_text("\n".join(kept) + "\n")
-    return copy_to
 
 
 def assert_same_run(run, reference, weights):

@@ -13,11 +13,10 @@ Each 2-rank launch costs ~10-20 s (two torch imports and model loads on 2 shared
 """
 
 import json
-import shutil
 
 import pytest
 
-from conftest import logged, max_weight_difference, tiny_sft, write_jsonl
+from conftest import logged, max_weight_difference, stopped_at, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
 from vlm_helpers import build_idefics3, build_llava, colour_rows
 
@@ -78,19 +77,6 @@ def two_ranks(model, data, out, port, **flags):
         **flags,
     )
     assert main(argv) == 0
-
-
-def stopped_at(run_dir, step, copy_to):
-    """A copy of a finished run as if it had stopped right after saving checkpoint `step`."""
-    shutil.copytree(run_dir, copy_to)
-    shutil.rmtree(copy_to / "final")
-    for folder in (copy_to / "checkpoints").glob("step-*"):
-        if int(folder.name[5:]) > step:
-            shutil.rmtree(folder)
-    rows = (copy_to / "metrics.jsonl").read_text().splitlines()
-    kept = [row for row in rows if json.loads(row)["step"] <= step]
-    (copy_to / "metrics.jsonl").write_text("\n".join(kept) + "\n")
-    return copy_to
 
 
 def assert_same_run(run, reference, weights):

@@ -44,31 +44,19 @@ def engine_for_model(
     served unmerged beside it (`swiftlm deploy`). A vision-language model gets a
     `VisionEngine` (transformers' generate, one request at a time: continuous batching is
     text-only)."""
-    if is_vision_model(spec.base_path):
-        return build_vision_engine(
-            spec.base_path,
-            tokenizer_path=spec.tokenizer_path,
-            merge_adapters=spec.adapters,
-            adapters=adapters,
-            torch_dtype=spec.torch_dtype,
-            device=model_args.device,
-            attn_impl=model_args.attn_impl,
-            max_model_len=max_model_len,
-            seed=seed,
-            max_pixels=max_pixels,
-        )
-    return build_engine(
-        spec.base_path,
+    options = dict(
         tokenizer_path=spec.tokenizer_path,
         merge_adapters=spec.adapters,
         adapters=adapters,
         torch_dtype=spec.torch_dtype,
         device=model_args.device,
         attn_impl=model_args.attn_impl,
-        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         seed=seed,
     )
+    if is_vision_model(spec.base_path):
+        return build_vision_engine(spec.base_path, max_pixels=max_pixels, **options)
+    return build_engine(spec.base_path, max_num_seqs=max_num_seqs, **options)
 
 
 def build_chat_engine(
