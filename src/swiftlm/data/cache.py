@@ -121,6 +121,9 @@ class ArrowSamples(Sequence):
     declared columns, like the in-memory list it replaces, and only the rows asked for are
     decoded."""
 
+    # (label tokens, tokens, samples) when the encoding counted them (see data.stream_encode)
+    label_counts: tuple[int, int, int] | None = None
+
     def __init__(self, table, columns: Sequence[str]):
         self.table = table
         self.columns = tuple(columns)
@@ -167,7 +170,8 @@ def _column_array(values: list, name: str, split: str):
         return array
 
 
-def _write_arrow(path: Path, samples: list[dict], columns: Sequence[str], length, split: str):
+def record_batch(samples: list[dict], columns: Sequence[str], length, split: str):
+    """Encoded samples as one Arrow record batch of `columns` plus their LENGTH_COLUMN."""
     import pyarrow as pa
 
     arrays = {}
@@ -181,9 +185,58 @@ def _write_arrow(path: Path, samples: list[dict], columns: Sequence[str], length
             ) from None
         arrays[name] = _column_array(values, name, split)
     arrays[LENGTH_COLUMN] = pa.array([length(s) for s in samples], type=pa.int32())
-    table = pa.table(arrays)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+    return pa.record_batch(list(arrays.values()), names=list(arrays))
+
+
+def _write_arrow(path: Path, samples: list[dict], columns: Sequence[str], length, split: str):
+    import pyarrow as pa
+
+    batch = record_batch(samples, columns, length, split)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+
+
+class SplitWriter:
+    """One split's Arrow IPC file written a record batch at a time, so the encoded samples
+    of a large dataset are never all in memory. The first batch sets the column types; later
+    batches are cast to them. A split given no batch is written empty, as _write_arrow does."""
+
+    def __init__(self, path: Path, columns: Sequence[str], length, split: str):
+        self.path, self.columns, self.length, self.split = path, tuple(columns), length, split
+        self.rows = 0
+        self.schema = self._sink = self._writer = None
+
+    def write(self, batch) -> None:
+        """Append a record batch (see record_batch)."""
+        import pyarrow as pa
+
+        if self._writer is None:
+            self._sink = pa.OSFile(str(self.path), "wb")
+            self._writer = pa.ipc.new_file(self._sink, batch.schema)
+            self.schema = batch.schema
+        elif batch.schema != self.schema:
+            batch = self._conform(batch)
+        self._writer.write_batch(batch)
+        self.rows += batch.num_rows
+
+    def _conform(self, batch):
+        import pyarrow as pa
+
+        try:
+            return batch.cast(self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+            raise ValueError(
+                f"split {self.split!r}: encoded samples change column types between chunks "
+                f"({batch.schema} vs {self.schema}: {exc}); every encoded sample must "
+                "give a column the same type"
+            ) from None
+
+    def close(self) -> None:
+        if self._writer is None:
+            _write_arrow(self.path, [], self.columns, self.length, self.split)
+            return
+        self._writer.close()
+        self._sink.close()
 
 
 def _read_arrow(path: Path, columns: Sequence[str]) -> ArrowSamples:
@@ -192,16 +245,15 @@ def _read_arrow(path: Path, columns: Sequence[str]) -> ArrowSamples:
     return ArrowSamples(pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all(), columns)
 
 
-def _write_entry(folder: Path, splits: dict[str, list[dict]], meta: dict, length) -> None:
-    """Write every split into a private folder, then rename it into place: a reader sees a
-    whole entry or none, and a failed write leaves nothing behind."""
+def _write_entry(folder: Path, write: Callable[[Path], None]) -> None:
+    """`write(private folder)` writes every split and meta.json there; the folder is then
+    renamed into place: a reader sees a whole entry or none, and a failed write leaves nothing
+    behind."""
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        for name, samples in splits.items():
-            _write_arrow(partial / f"{name}.arrow", samples, meta["columns"], length, name)
-        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+        write(partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -254,48 +306,115 @@ def load_or_encode_with_stats(
     memory-mapped, so a first run and a cached run see identical samples.
     """
     columns = tuple(columns)
-    if LENGTH_COLUMN in columns:
-        raise ValueError(f"the column name {LENGTH_COLUMN!r} is reserved for sample lengths")
-    if (folder / "meta.json").is_file():
-        started = time.perf_counter()
-        try:
-            splits, meta = _read_entry(folder, columns)
-        except Exception as exc:  # noqa: BLE001 - any unreadable entry is rebuilt, not fatal
-            log(f"tokenized-data cache entry {folder} is unreadable ({exc!r}); re-tokenizing")
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            changed = first_changed_file(meta.get("stats", {}).get(FILES_READ, {}))
-            if changed is None:
-                for line in meta["log"]:
-                    log(line)
-                log(
-                    f"tokenized data loaded from cache in {time.perf_counter() - started:.2f} s "
-                    f"(encoding took {meta['encode_seconds']:.2f} s): {folder}"
-                )
-                return splits, meta.get("stats", {})
-            log(f"tokenized-data cache entry {folder}: {changed} changed since; re-encoding")
-            shutil.rmtree(folder, ignore_errors=True)
+    hit = _cached_entry(folder, columns, log)
+    if hit is not None:
+        return hit
     started = time.perf_counter()
     splits, lines, *rest = encode()
     stats = rest[0] if rest else {}
     for line in lines:
         log(line)
     seconds = time.perf_counter() - started
-    meta = {
-        "splits": list(splits),
+
+    def write(partial: Path) -> None:
+        for name, samples in splits.items():
+            _write_arrow(partial / f"{name}.arrow", samples, columns, length, name)
+        meta = _meta(list(splits), columns, lines, stats, seconds)
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _write_entry(folder, write)
+    log(f"tokenized data in {seconds:.2f} s, cached at {folder}")
+    return _read_entry(folder, columns)[0], stats
+
+
+def _meta(splits: list[str], columns: tuple, lines: list[str], stats: dict, seconds: float):
+    return {
+        "splits": splits,
         "columns": list(columns),
         "log": [getattr(line, "cached", line) for line in lines],
         "stats": stats,
         "encode_seconds": seconds,
     }
+
+
+def _cached_entry(folder: Path, columns: tuple, log) -> tuple[dict, dict] | None:
+    """(splits, stats) of a usable entry in `folder` (its lines logged again), else None; an
+    unreadable or outdated entry is removed."""
+    if LENGTH_COLUMN in columns:
+        raise ValueError(f"the column name {LENGTH_COLUMN!r} is reserved for sample lengths")
+    if not (folder / "meta.json").is_file():
+        return None
+    started = time.perf_counter()
+    try:
+        splits, meta = _read_entry(folder, columns)
+    except Exception as exc:  # noqa: BLE001 - any unreadable entry is rebuilt, not fatal
+        log(f"tokenized-data cache entry {folder} is unreadable ({exc!r}); re-tokenizing")
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    changed = first_changed_file(meta.get("stats", {}).get(FILES_READ, {}))
+    if changed is not None:
+        log(f"tokenized-data cache entry {folder}: {changed} changed since; re-encoding")
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    for line in meta["log"]:
+        log(line)
+    log(
+        f"tokenized data loaded from cache in {time.perf_counter() - started:.2f} s "
+        f"(encoding took {meta['encode_seconds']:.2f} s): {folder}"
+    )
+    return splits, meta.get("stats", {})
+
+
+def load_or_stream_encode(
+    folder: Path,
+    encode_into: Callable[[Path], tuple[list[str], list[str], dict]],
+    log: Callable[[str], None],
+    *,
+    columns: Sequence[str],
+    keep: bool = True,
+) -> tuple[dict[str, ArrowSamples], dict]:
+    """Like load_or_encode_with_stats, for an encoding that writes its splits itself, chunk by
+    chunk: `encode_into(private folder)` writes `<split>.arrow` there (SplitWriter) and returns
+    (split names, log lines, stats). The entry is renamed into place only when whole.
+
+    `keep=False` (--load_from_cache_file false): no entry is looked up or kept; the splits are
+    written to a private folder, read back memory-mapped and the folder removed (the open
+    mappings stay readable), so an uncached run holds no more in memory than a cached one.
+    """
+    columns = tuple(columns)
+    hit = _cached_entry(folder, columns, log) if keep else None
+    if hit is not None:
+        return hit
+    written: dict = {}
+
+    def write(partial: Path) -> None:
+        started = time.perf_counter()
+        names, lines, stats = encode_into(partial)
+        for line in lines:
+            log(line)
+        seconds = time.perf_counter() - started
+        written.update(stats=stats, seconds=seconds)
+        meta = _meta(names, columns, lines, stats, seconds)
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    if not keep:
+        folder = folder.with_name(f"{folder.name}.uncached-{os.getpid()}-{time.time_ns()}")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    _write_entry(folder, splits, meta, length)
-    log(f"tokenized data in {seconds:.2f} s, cached at {folder}")
-    return _read_entry(folder, columns)[0], stats
+    _write_entry(folder, write)
+    try:
+        splits = _read_entry(folder, columns)[0]
+    finally:
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    if keep:
+        log(f"tokenized data in {written['seconds']:.2f} s, cached at {folder}")
+    return splits, written["stats"]
 
 
 def sample_lengths(samples: Sequence[dict], length: Callable[[dict], int]) -> list[int]:
-    """Token lengths of encoded samples: a cached file's stored column, else `length` of each."""
-    if isinstance(samples, ArrowSamples):
+    """Token lengths of encoded samples: a cached file's stored column (or another Sequence
+    that knows its `lengths` without decoding: data.token_shards), else `length` of each."""
+    if isinstance(samples, ArrowSamples) or hasattr(samples, "lengths"):
         return samples.lengths
     return [length(sample) for sample in samples]

@@ -266,24 +266,49 @@ def encode_chat_samples(
 ) -> tuple[list[dict], TruncationReport]:
     """Encode chat samples; over-long ones follow `strategy` and are counted, and samples
     without label tokens are dropped and counted. No sample left is a DataError."""
-    report = TruncationReport(strategy, max_length)
-    end_of_turn = end_of_turn_token(tokenizer)
-    encoded = []
-    for start in range(0, len(samples), TOKENIZE_BATCH):
-        batch = samples[start : start + TOKENIZE_BATCH]
-        for item in _encode_chat_batch(tokenizer, batch, scope, end_of_turn):
-            item = truncate(item, max_length, strategy, report)
-            if item is not None:
-                encoded.append(item)
+    encoder = ChatChunkEncoder(tokenizer, max_length, strategy, scope)
+    report = encoder.new_report()
+    encoded = encoder.encode(samples, report)
     if not encoded:
-        raise DataError(
-            f"no sample has label tokens to train on with --max_length {max_length}, "
-            f"--truncation_strategy {strategy} and --loss_scope {scope} (of {len(samples)} "
+        raise encoder.nothing_left(len(samples), report)
+    return encoded, report
+
+
+@dataclass
+class ChatChunkEncoder:
+    """encode_chat_samples in pieces: `encode` one chunk of samples at a time into a shared
+    TruncationReport, then `nothing_left` words the error when no chunk kept a sample. It
+    pickles (the tokenizer with it), so worker processes can encode chunks too."""
+
+    tokenizer: object
+    max_length: int
+    strategy: str
+    scope: str
+
+    def new_report(self) -> TruncationReport:
+        return TruncationReport(self.strategy, self.max_length)
+
+    def encode(self, samples: list[dict], report: TruncationReport) -> list[dict]:
+        """The kept encodings of `samples`, in order; what was cut or dropped goes to `report`."""
+        end_of_turn = end_of_turn_token(self.tokenizer)
+        encoded = []
+        for start in range(0, len(samples), TOKENIZE_BATCH):
+            batch = samples[start : start + TOKENIZE_BATCH]
+            for item in _encode_chat_batch(self.tokenizer, batch, self.scope, end_of_turn):
+                item = truncate(item, self.max_length, self.strategy, report)
+                if item is not None:
+                    encoded.append(item)
+        return encoded
+
+    def nothing_left(self, total: int, report: TruncationReport) -> DataError:
+        """The error for `total` samples of which no encoding was kept."""
+        return DataError(
+            f"no sample has label tokens to train on with --max_length {self.max_length}, "
+            f"--truncation_strategy {self.strategy} and --loss_scope {self.scope} (of {total} "
             f"samples: {report}); raise --max_length, use --truncation_strategy left (it keeps "
             "the end of each conversation, where the last answer is) or --loss_scope all "
             "(loss on every token, prompts included)"
         )
-    return encoded, report
 
 
 def encode_pretraining(tokenizer, texts: list[str], max_length: int) -> tuple[list[dict], int]:

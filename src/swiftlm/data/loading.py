@@ -21,6 +21,9 @@ from swiftlm.data.sources import NOT_AN_OBJECT, RawRow, parse_dataset_spec, read
 from swiftlm.errors import DataError
 
 MAX_LISTED_BAD_ROWS = 20
+# Bad rows kept with their full message; beyond this they are only counted (by kind), so a
+# dataset of millions of bad rows does not hold millions of messages.
+MAX_KEPT_BAD_ROWS = 1000
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class LoadReport:
     `rows_read` counts rows per source file (hub id for hub datasets); `samples` counts the
     samples each spec contributed after `#N` sampling; `skipped` counts dropped rows by
     RowError kind; `unused_columns` counts, per column, the valid rows that filled a column the
-    row schema did not read.
+    row schema did not read. `bad_rows` keeps the first MAX_KEPT_BAD_ROWS bad rows;
+    `bad_kinds` counts them all by kind.
     """
 
     rows_read: Counter[str] = field(default_factory=Counter)
@@ -48,6 +52,24 @@ class LoadReport:
     skipped: Counter[str] = field(default_factory=Counter)
     bad_rows: list[BadRow] = field(default_factory=list)
     unused_columns: Counter[str] = field(default_factory=Counter)
+    bad_kinds: Counter[str] = field(default_factory=Counter)
+
+    def add_bad_row(self, row: BadRow) -> None:
+        self.bad_kinds[row.kind] += 1
+        if len(self.bad_rows) < MAX_KEPT_BAD_ROWS:
+            self.bad_rows.append(row)
+
+    @property
+    def bad_row_count(self) -> int:
+        return sum(self.bad_kinds.values())
+
+    def settle_bad_rows(self, skip_bad_rows: bool) -> None:
+        """Raise DataValidationError for the bad rows, or count them as skipped."""
+        if not self.bad_row_count:
+            return
+        if not skip_bad_rows:
+            raise DataValidationError(self.bad_rows, self.total_rows, self.bad_row_count)
+        self.skipped.update(self.bad_kinds)
 
     @property
     def total_rows(self) -> int:
@@ -79,15 +101,16 @@ def _rows(count: int) -> str:
 class DataValidationError(DataError):
     """Some rows are invalid; the message lists the first ones as `file:line: reason`."""
 
-    def __init__(self, bad_rows: list[BadRow], total: int):
+    def __init__(self, bad_rows: list[BadRow], total: int, count: int | None = None):
+        """`bad_rows`: the first bad rows (all, or the kept ones of `count` in all)."""
         self.bad_rows = bad_rows
         self.total = total
+        count = len(bad_rows) if count is None else count
         lines = [f"{row.source}:{row.line}: {row.reason}" for row in bad_rows[:MAX_LISTED_BAD_ROWS]]
-        if len(bad_rows) > MAX_LISTED_BAD_ROWS:
-            lines.append(f"... and {len(bad_rows) - MAX_LISTED_BAD_ROWS} more")
+        if count > MAX_LISTED_BAD_ROWS:
+            lines.append(f"... and {count - MAX_LISTED_BAD_ROWS} more")
         lines.append(
-            f"{len(bad_rows)} of {total} rows are invalid; fix them or pass --skip_bad_rows "
-            "to skip them"
+            f"{count} of {total} rows are invalid; fix them or pass --skip_bad_rows to skip them"
         )
         super().__init__("\n".join(lines))
 
@@ -111,10 +134,7 @@ def load_samples(
     """
     report = LoadReport()
     per_spec = [_validate(spec, to_sample, report) for spec in specs]
-    if report.bad_rows:
-        if not skip_bad_rows:
-            raise DataValidationError(report.bad_rows, report.total_rows)
-        report.skipped.update(row.kind for row in report.bad_rows)
+    report.settle_bad_rows(skip_bad_rows)
     samples = []
     for spec, valid in zip(specs, per_spec, strict=True):
         _, count = parse_dataset_spec(spec)
@@ -133,16 +153,26 @@ def _validate(spec: str, to_sample: Callable[[dict], dict], report: LoadReport) 
     valid = []
     for row in read_rows(path):
         report.rows_read[row.source] += 1
-        try:
-            record = _record(row)
-            with relative_to(_data_folder(row.source)):  # where a row's image paths start
-                sample = to_sample(record)
-        except RowError as e:
-            report.bad_rows.append(BadRow(row.source, row.line, str(e), e.kind))
-            continue
-        report.unused_columns.update(_unused_columns(record, sample))
-        valid.append({**sample, "source": f"{row.source}:{row.line}"})
+        sample = checked_sample(row, to_sample, report)
+        if sample is not None:
+            valid.append(sample)
     return valid
+
+
+def checked_sample(row: RawRow, to_sample: Callable[[dict], dict], report: LoadReport | None):
+    """The sample of one raw row (with its `source`), or None for a bad row, which goes to
+    `report` (when given) with its reason; unused columns are counted in `report` too."""
+    try:
+        record = _record(row)
+        with relative_to(_data_folder(row.source)):  # where a row's image paths start
+            sample = to_sample(record)
+    except RowError as e:
+        if report is not None:
+            report.add_bad_row(BadRow(row.source, row.line, str(e), e.kind))
+        return None
+    if report is not None:
+        report.unused_columns.update(_unused_columns(record, sample))
+    return {**sample, "source": f"{row.source}:{row.line}"}
 
 
 def _data_folder(source: str) -> Path | None:
@@ -176,12 +206,18 @@ def sample_rows(rows: list, count: int, seed: int | str) -> list:
     count <= len(rows): a random subset without replacement. Otherwise every row
     count // len(rows) times, then a random subset for the remainder (oversampling).
     """
-    if not rows:
+    return [rows[i] for i in sample_indices(len(rows), count, seed)]
+
+
+def sample_indices(size: int, count: int, seed: int | str) -> list[int]:
+    """The indices sample_rows takes from `size` rows: range(size) `count // size` times, then
+    the sorted seeded remainder (what decides a `path#N` selection without the rows)."""
+    if not size:
         return []
     rng = random.Random(seed)
-    repeats, remainder = divmod(count, len(rows))
-    picked = sorted(rng.sample(range(len(rows)), remainder))
-    return rows * repeats + [rows[i] for i in picked]
+    repeats, remainder = divmod(count, size)
+    picked = sorted(rng.sample(range(size), remainder))
+    return [*range(size)] * repeats + picked
 
 
 def split_samples(samples: list, ratio: float, seed: int) -> tuple[list, list]:
@@ -191,14 +227,20 @@ def split_samples(samples: list, ratio: float, seed: int) -> tuple[list, list]:
     out when ratio > 0 and there are two or more, and at least one is always kept for
     training.
     """
+    held_out = held_out_indices(len(samples), ratio, seed)
+    train = [s for i, s in enumerate(samples) if i not in held_out]
+    val = [s for i, s in enumerate(samples) if i in held_out]
+    return train, val
+
+
+def held_out_indices(n: int, ratio: float, seed: int) -> set[int]:
+    """The positions split_samples holds out of `n` samples (decided without the samples)."""
     if not 0 <= ratio < 1:
         raise DataError(f"split_dataset_ratio must be in [0, 1), got {ratio}")
-    n = len(samples)
     # A requested split needs a sample on both sides, however small the ratio or the data.
     held_out = min(max(round(ratio * n), 1), n - 1) if ratio > 0 and n >= 2 else 0
+    if not held_out:
+        return set()
     order = list(range(n))
     random.Random(seed).shuffle(order)
-    val_indices = set(order[:held_out])
-    train = [s for i, s in enumerate(samples) if i not in val_indices]
-    val = [s for i, s in enumerate(samples) if i in val_indices]
-    return train, val
+    return set(order[:held_out])

@@ -7,7 +7,7 @@ loss is the mean next-token cross-entropy over the label tokens chosen by --loss
 
 from swiftlm.config import TrainConfig
 from swiftlm.data.columns import refuse_media_parts
-from swiftlm.data.encode import encode_chat_samples
+from swiftlm.data.encode import ChatChunkEncoder, encode_chat_samples
 from swiftlm.data.formats import chat_sample
 from swiftlm.data.vision_batch import VISION_COLUMN
 from swiftlm.data.vision_rows import vision_chat_sample
@@ -62,6 +62,15 @@ class SFT(NextTokenObjective):
         )
         log = [truncation.summary()] if truncation.summary() else []
         return EncodeResult(encoded, log, truncation.as_dict())
+
+    def chunk_encoder(self) -> ChatChunkEncoder | None:
+        """What encodes text conversations a chunk at a time (data.stream_encode streams them
+        into the cache, in --dataset_num_proc processes); None for a vision-language model,
+        whose samples are encoded whole by `encode`."""
+        if self.vision is not None:
+            return None
+        d = self.data
+        return ChatChunkEncoder(self.tokenizer, d.max_length, d.truncation_strategy, d.loss_scope)
 
     def cache_options(self) -> dict:
         d = self.data
