@@ -8,6 +8,7 @@ backward, so the accumulated gradient is the gradient of the step's mean loss, w
 split into micro-batches and ranks.
 """
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch
 from swiftlm.config.sections import OutputArguments, TrainArguments
 from swiftlm.config.sections_monitor import MonitorArguments
 from swiftlm.data.collate import count_input_tokens
+from swiftlm.data.prefetch import Prepared, prefetch_steps
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.strategy import Strategy
 from swiftlm.losses.causal_lm import count_label_tokens
@@ -38,6 +40,7 @@ from swiftlm.train.evaluation import BestCheckpoint, GenerationEvaluator
 from swiftlm.train.nonfinite import NonFiniteLossError, describe_nonfinite, first_nonfinite_output
 from swiftlm.train.observe import Observer
 from swiftlm.train.optim import build_optimizer, build_scheduler
+from swiftlm.train.preemption import PreemptionWatch
 from swiftlm.train.window import LogWindow, StepResult, mfu_metric
 
 __all__ = ["NonFiniteLossError", "TrainingJob", "run_training"]
@@ -67,6 +70,7 @@ class TrainingJob:
     observer: Observer | None = None  # set by run_training: step timing, gradient health
     evaluator: GenerationEvaluator | None = None  # --eval_dataset's tasks
     best: BestCheckpoint | None = None  # --metric_for_best_model
+    checkpoint_tiers: object | None = None  # checkpoint.tiers.Tiers, set on resume
 
 
 class Precision:
@@ -280,6 +284,8 @@ def step_batches(job: TrainingJob, steps, state, num_steps: int, precision) -> t
     as it needs; the others are the next data position's micro-batches."""
     if not is_online(job.method):
         indices, next_position = next(steps)
+        if isinstance(indices, Prepared):  # collated ahead by the prefetch thread
+            return indices, next_position
         return rank_batches(job, indices), next_position
     position = [state.position]
 
@@ -315,8 +321,12 @@ def run_training(job: TrainingJob) -> dict:
     progress, window = Progress(num_steps, state.step, enabled=main), LogWindow()
     eval_every = out.eval_steps or out.save_steps
     steps = iterate_steps(job.batch_plan, args.gradient_accumulation_steps, state.position)
+    if getattr(job.train_data, "prefetch", False) and not is_online(job.method):
+        ahead = itertools.islice(steps, num_steps - state.step)  # none past the last step
+        steps = prefetch_steps(ahead, lambda indices: rank_batches(job, indices))
     started = time.perf_counter() - state.train_seconds
     job.model.train()
+    preemption = PreemptionWatch(job.strategy.ctx).install()  # SIGTERM/SIGUSR1: save, stop
     try:
         while state.step < num_steps:
             observer.step_begin(state.step + 1)
@@ -354,10 +364,19 @@ def run_training(job: TrainingJob) -> dict:
                 metrics.log({"step": state.step, **evaluated})
                 progress.write(describe_evaluation(state.step, evaluated))
             state.train_seconds = time.perf_counter() - started
-            if state.step % out.save_steps == 0 or last:
+            tier = loop_state.checkpoint_due(job, state.step, last)  # run dir, local tier, None
+            if tier:
                 with observer.phase("checkpoint"):
-                    loop_state.save(job, optimizer, scheduler, precision.scaler, state)
+                    loop_state.save(job, optimizer, scheduler, precision.scaler, state, last, tier)
+            saved = tier == loop_state.RUN_TIER  # a local-tier copy may not outlive preemption
+            if not last:  # a signal during the last step: the run ends as planned
+                preemption.stop_if_signalled(
+                    job, state.step, saved,
+                    lambda: loop_state.save(job, optimizer, scheduler, precision.scaler, state),
+                )  # fmt: skip
     finally:
+        preemption.restore()
+        steps.close()  # the prefetch thread, if any
         observer.close()
         progress.close()
         metrics.close()

@@ -1,7 +1,10 @@
 """The data, model and batch plan of a training run, each prepared for the run's method."""
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from swiftlm.config import TrainConfig
@@ -11,9 +14,11 @@ from swiftlm.data.cache import (
     data_cache_root,
     file_fingerprints,
     load_or_encode_with_stats,
+    load_or_stream_encode,
     sample_lengths,
 )
 from swiftlm.data.loading import load_samples, split_samples
+from swiftlm.data.stream_encode import ChunkJob, DataOptions, encode_splits, select_splits
 from swiftlm.errors import ConfigError
 from swiftlm.methods.base import Method
 from swiftlm.methods.vision import PACKABLE, VisionInputs
@@ -26,10 +31,11 @@ from swiftlm.monitor.data_health import (
     SplitFacts,
     count_labels,
     format_data_health,
+    label_columns,
     summarize_data,
     write_data_health,
 )
-from swiftlm.train.batching import BatchPlan, build_batch_plan
+from swiftlm.train.batching import BatchPlan, FixedSizeEpoch, build_batch_plan, epoch_totals
 from swiftlm.tuners.setup import apply_tuner
 
 
@@ -100,8 +106,17 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
     """Encoded (train, validation) samples, from the Arrow cache when an earlier run made them,
     and their truncation counts ({"train": ..., "val": ...}; cached with the samples).
 
-    Rank 0 encodes and writes the cache; the other ranks wait, then read it.
+    Rank 0 encodes and writes the cache; the other ranks wait, then read it. A method that
+    encodes chunk by chunk (`chunk_encoder`, text SFT) streams its rows into the cache entry
+    (data.stream_encode), so no split is ever whole in memory.
     """
+    if hasattr(method, "sharded_data"):  # pt: memory-mapped token shards (data.token_shards)
+        sharded = method.sharded_data(cfg, ctx, log)
+        if sharded is not None:
+            return sharded
+    encoder = getattr(method, "chunk_encoder", lambda: None)()
+    if encoder is not None:
+        return _prepare_streamed(cfg, method, encoder, tokenizer, ctx, log)
 
     def encode() -> tuple[dict, list[str], dict]:
         lines: list[str] = []
@@ -129,6 +144,38 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
         if not ctx.is_main:
             splits, stats = load_or_encode_with_stats(folder, encode, log, **cached)
     # Evaluation slices its samples: a plain list (validation sets are small).
+    return splits["train"], list(splits["val"]), stats.get("truncation", {})
+
+
+def _prepare_streamed(cfg: TrainConfig, method: Method, encoder, tokenizer, ctx, log) -> tuple:
+    """prepare_data for a method with a chunk encoder: the same samples, written chunk by
+    chunk (in --dataset_num_proc processes) into the cache entry, which is then read
+    memory-mapped; with --load_from_cache_file false the entry is written and removed."""
+    d = cfg.data
+    options = DataOptions(
+        list(d.dataset), list(d.val_dataset), d.skip_bad_rows, d.data_seed, d.split_dataset_ratio
+    )
+    job = ChunkJob(encoder, tuple(method.columns), method.length, label_columns(method.columns))
+
+    def encode_into(folder: Path) -> tuple[list[str], list[str], dict]:
+        lines: list[str] = []
+        started = time.perf_counter()  # the throughput counts the validating pass too
+        selections = select_splits(options, method.to_sample, method.name, lines.append)
+        names, encoded_lines, stats = encode_splits(
+            selections, folder, method.to_sample, job, d.dataset_num_proc, started=started
+        )
+        return names, lines + encoded_lines, stats
+
+    folder = _data_cache_folder(cfg, method, tokenizer)
+    write = dict(columns=method.columns, keep=d.load_from_cache_file)
+    if ctx.is_main or not d.load_from_cache_file:
+        splits, stats = load_or_stream_encode(folder, encode_into, log, **write)
+    if d.load_from_cache_file:
+        ctx.broadcast_object(None)  # the other ranks wait for rank 0's entry, then read it
+        if not ctx.is_main:
+            splits, stats = load_or_stream_encode(folder, encode_into, log, **write)
+    # The label counts made while encoding spare the data-health summary a pass over tokens.
+    splits["train"].label_counts = tuple(stats.get("labels", {}).get("train", ())) or None
     return splits["train"], list(splits["val"]), stats.get("truncation", {})
 
 
@@ -166,9 +213,20 @@ def prepare_model(
     return model
 
 
+@dataclass(frozen=True)
+class StreamPlan(BatchPlan):
+    """The plan of --streaming true: chunks in stream order, never shuffled (the stream
+    serves them only in order: data.streaming), one epoch of --max_steps steps."""
+
+    def _plan_epoch(self, epoch: int) -> FixedSizeEpoch:
+        return FixedSizeEpoch(np.arange(len(self.lengths)), self.batch_size, self.dp_size)
+
+
 def make_batch_plan(cfg: TrainConfig, lengths: list[int], dp_size: int, per_sample: int = 1):
     """`per_sample`: rows a sample becomes (GRPO: its completions; the batch size counts them)."""
     t = cfg.train
+    if cfg.data.streaming:  # `lengths`: the stream's ConstantLengths, kept lazy
+        return StreamPlan(lengths, t.per_device_train_batch_size, dp_size, t.seed)
     return build_batch_plan(
         lengths,
         t.per_device_train_batch_size // per_sample,
@@ -192,13 +250,16 @@ def _layout_facts(plan: BatchPlan, pack_to: int) -> LayoutFacts:
         )
         if on
     ]
-    batches = [
-        [plan.row_length(row) for row in batch]
-        for global_batch in plan.epoch_batches(0)
-        for batch in global_batch
-    ]
+    totals = epoch_totals(plan)
     capacity = pack_to if plan.packs is not None else 0
-    return LayoutFacts(" + ".join(kind) or "fixed size", batches, plan.padding_free, capacity)
+    return LayoutFacts(
+        " + ".join(kind) or "fixed size",
+        totals.micro_batches,
+        totals.rows,
+        totals.real_tokens,
+        totals.held_tokens,
+        capacity,
+    )
 
 
 def report_data_health(
@@ -214,7 +275,8 @@ def report_data_health(
     train, val, truncation = data
 
     def facts(samples, lengths, name) -> SplitFacts:
-        labels = count_labels(samples, method.columns)
+        # (label tokens, tokens, samples) counted while encoding, else counted now
+        labels = getattr(samples, "label_counts", None) or count_labels(samples, method.columns)
         return SplitFacts(lengths, labels, truncation.get(name, {}))
 
     val_lengths = sample_lengths(val, method.length) if len(val) else []
