@@ -4,10 +4,15 @@ A checkpoint folder holds the model or adapter exactly as `save_pretrained` writ
 loads with transformers/peft as is), the engine's own state beside it, each rank's RNG and
 `trainer_state.json`; `COMPLETE` is written last. The engines' formats:
 
-- replicated.py: one full copy (one process, DDP): safetensors weights + optimizer files;
+- replicated.py: one full copy (one process, DDP): safetensors weights + optimizer files,
+  or (--incremental_checkpoints) content-addressed blocks shared by the run's checkpoints
+  with a manifest per checkpoint (blocks.py);
 - sharded.py: DCP shards in `dcp/` (FSDP2, tensor parallel), resharded on load;
 - stages.py: one folder per pipeline stage;
 - deepspeed.py: DeepSpeed's engine folder.
+
+With --async_save the tensors are copied to CPU memory at the save and written by a
+background thread (async_write.py; DCP's own for sharded state); COMPLETE waits for them.
 
 `targets.py` picks the checkpoint a run resumes from and names what a folder given as a
 checkpoint (or as weights to load) is when it is not one.

@@ -8,6 +8,8 @@ never resumed from.
 import shutil
 from pathlib import Path
 
+from swiftlm.checkpoint import blocks
+
 COMPLETE = "COMPLETE"
 
 
@@ -59,7 +61,8 @@ def prune_checkpoints(run_dir: Path, keep: int | None, protect: Path | None = No
     nor `protect` (the best checkpoint), which does not count towards `keep`.
 
     Incomplete folders older than the newest complete checkpoint are leftovers of a crash
-    and are removed too.
+    and are removed too. Blocks of incremental checkpoints (`blocks.py`) that no remaining
+    folder references are deleted after them.
     """
     complete, incomplete = list_checkpoints(run_dir)
     removed = []
@@ -74,6 +77,8 @@ def prune_checkpoints(run_dir: Path, keep: int | None, protect: Path | None = No
             if step_of(folder) < newest:
                 shutil.rmtree(folder)
                 removed.append(folder)
+    if removed:
+        blocks.collect_garbage(run_dir / "checkpoints")
     return removed
 
 

@@ -3,6 +3,8 @@
 The model or adapter is written exactly as `save_pretrained` writes it, so a checkpoint
 folder loads with transformers/peft as is. torch's index-keyed optimizer state is split into
 flat tensors (`optimizer.safetensors`) and JSON (`optimizer.json`: param groups, scalars).
+A folder in block format (--incremental_checkpoints, `blocks.py`) holds both kinds of
+tensors in its manifest's blocks instead; the readers here take either.
 """
 
 import json
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from swiftlm.checkpoint import blocks
 from swiftlm.errors import CheckpointError
 
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -23,16 +26,22 @@ RNG_TENSORS = "rng.safetensors"
 # ---- optimizer ------------------------------------------------------------------------------
 
 
-def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Split `optimizer.state_dict()` into flat tensors and JSON-able metadata."""
+def optimizer_to_files(optimizer: torch.optim.Optimizer, to_cpu=None) -> tuple[dict, dict]:
+    """Split `optimizer.state_dict()` into flat tensors and JSON-able metadata. `to_cpu`:
+    how the tensors are brought to CPU (default: `.cpu()`, which does not copy CPU tensors;
+    a background save passes a copier, `async_write.Staging.copy`)."""
     state_dict = optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, param_state in state_dict["state"].items():
         for key, value in param_state.items():
             if torch.is_tensor(value):
-                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"{index}.{key}"] = value
             else:
                 scalars[f"{index}.{key}"] = value
+    if to_cpu is None:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    else:
+        tensors = to_cpu(tensors)
     return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
 
 
@@ -58,6 +67,8 @@ def read_optimizer(folder: Path) -> dict:
             "another engine (pipeline stages, DeepSpeed); resume it with the settings that saved it"
         )
     meta = json.loads((folder / OPTIMIZER_META).read_text())
+    if blocks.is_block_checkpoint(folder):
+        return optimizer_from_files(blocks.read_group(folder, blocks.OPTIMIZER_GROUP), meta)
     return optimizer_from_files(load_file(str(folder / OPTIMIZER_TENSORS)), meta)
 
 
@@ -113,7 +124,10 @@ def load_rng(folder: Path, rank: int) -> bool:
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All safetensors weights of a model/adapter folder (sharded or not)."""
+    """All weights of a model/adapter folder: its safetensors files (sharded or not), or
+    the blocks of a block-format checkpoint."""
+    if blocks.is_block_checkpoint(folder):
+        return blocks.read_group(folder, blocks.MODEL_GROUP)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         if file.name != OPTIMIZER_TENSORS and not file.name.startswith("rng"):
@@ -133,7 +147,7 @@ def load_model_weights(folder: Path, model) -> None:
             raise CheckpointError(f"{folder}: adapter has unexpected weights {unexpected[:5]}")
         return
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = _tied_parameter_names(model)
+    tied = tied_parameter_names(model)
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise CheckpointError(
@@ -142,7 +156,7 @@ def load_model_weights(folder: Path, model) -> None:
         )
 
 
-def _tied_parameter_names(model) -> set[str]:
+def tied_parameter_names(model) -> set[str]:
     """Names that share storage with an earlier parameter (save_pretrained drops them)."""
     first_name: dict[int, str] = {}
     tied = set()

@@ -22,13 +22,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from swiftlm.checkpoint import stages
+from swiftlm.checkpoint.async_write import BackgroundWriter, Staging
 from swiftlm.checkpoint.folders import save_pretrained_atomically
+from swiftlm.checkpoint.sharded import PendingSave
 from swiftlm.distributed import gradients
 from swiftlm.distributed.env import DistContext, collective_device
 from swiftlm.distributed.fsdp2 import reshard
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize
 from swiftlm.distributed.pp_stage import build_stage, fixed_shape_batches
+from swiftlm.errors import CheckpointError
 
 
 class StepLoss:
@@ -63,8 +66,11 @@ class PipelineParallelStrategy:
         dims: ParallelDims,
         options: ParallelizeOptions,
         shape: tuple[int, int, int],
+        async_save: bool = False,
     ):
         self.ctx, self.device, self.dims, self.options = ctx, device, dims, options
+        self.async_save = async_save  # plain stages: write checkpoints in the background
+        self.saves, self.writer, self.staging = PendingSave(), BackgroundWriter(), Staging()
         # (micro-batches per step, rows per micro-batch, tokens per row): fixed for all steps
         self.micro_batches, self.rows, self.width = shape
         self.pp_rank, self.dp_rank, _ = dims.coordinates(ctx.rank)
@@ -152,15 +158,58 @@ class PipelineParallelStrategy:
         """Process group of a sharded stage's replicas (DCP writes over it); None if plain."""
         return self.mesh["dp"].get_group() if self.dims.sharded else None
 
-    def save_state(self, folder: Path, model, optimizer) -> None:
-        """Each stage writes its own state; rank 0 also the consolidated model or adapter."""
+    def save_state(self, folder: Path, model, optimizer):
+        """Each stage writes its own state; rank 0 also the consolidated model or adapter.
+        With --async_save plain stages write in the background (a Future on rank 0)."""
+        self.saves.wait()  # one background save at a time; a failed one stops every rank
         reshard(model)
         stage = self.unwrap(model)
         group, writes = self._dp_group(), self.dp_rank == 0
+        if self.async_save and group is None:
+            return self._save_in_background(folder, stage, optimizer, writes, model)
         stages.save_stage_state(folder, self.pp_rank, stage, optimizer, writes, group)
         full = self._gather_full_weights(model)
         if self.ctx.is_main:
             self.full_model.save_pretrained(folder, state_dict=full, safe_serialization=True)
+        return None
+
+    def _save_in_background(self, folder: Path, stage, optimizer, writes: bool, model):
+        """Copy this rank's stage (and, on rank 0, the gathered full weights) now; write them
+        in a thread. The threads of all ranks then agree over their own gloo group, so rank
+        0's Future (and COMPLETE) ends only when every stage is on disk, and a failed write
+        on any rank fails every rank's save."""
+        board = self.saves.group()  # a collective: every rank creates it on first use
+        write_stage = (
+            stages.prepare_stage_write(folder, self.pp_rank, stage, optimizer, self.staging)
+            if writes
+            else None
+        )
+        full = self._gather_full_weights(model)  # gathered copies: training may go on
+        is_main = self.ctx.is_main
+
+        def write() -> None:
+            error = None
+            try:
+                if write_stage is not None:
+                    write_stage()
+                if is_main:
+                    self.full_model.save_pretrained(
+                        folder, state_dict=full, safe_serialization=True
+                    )
+            except Exception as exc:  # reported after the other ranks heard of it
+                error = exc
+            failures = torch.tensor([int(error is not None)])
+            dist.all_reduce(failures, group=board)
+            if error is not None:
+                raise error
+            if failures.item():
+                raise CheckpointError(
+                    f"another pipeline rank failed to write its stage of {folder}"
+                )
+
+        written, finished = self.writer.submit(write)
+        self.saves.track(finished, folder)
+        return written if is_main else None
 
     def load_state(self, folder: Path, model, optimizer) -> None:
         reshard(model)
@@ -170,6 +219,7 @@ class PipelineParallelStrategy:
         )
 
     def save_final(self, model, tokenizer, folder: Path) -> None:
+        self.saves.wait()
         reshard(model)
         full = self._gather_full_weights(model)
         if self.ctx.is_main:

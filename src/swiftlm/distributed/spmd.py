@@ -4,8 +4,9 @@ and tensor parallel x FSDP2, all one strategy over one DeviceMesh.
 `wrap` applies `parallelize` (TP -> activation checkpointing -> compile -> FSDP2 or DDP);
 what differs between the layouts is carried by the model itself (a DDP wrapper, FSDP units,
 DTensor parameters), so each method below is a short call into shared functions. Checkpoints:
-replicated weights (one process, DDP) are written once by rank 0 as plain files; sharded ones
-(FSDP2, TP) go through DCP, with rank 0 also writing the consolidated model or adapter.
+replicated weights (one process, DDP) are written once by rank 0 as plain files or blocks
+(--incremental_checkpoints); sharded ones (FSDP2, TP) go through DCP, with rank 0 also writing
+the consolidated model or adapter. With --async_save both are written in the background.
 """
 
 from pathlib import Path
@@ -14,8 +15,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from swiftlm.checkpoint import replicated, sharded
+from swiftlm.checkpoint.async_write import BackgroundWriter, Staging
 from swiftlm.checkpoint.folders import save_pretrained_atomically
-from swiftlm.config.sections import DistArguments
+from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed import gradients
 from swiftlm.distributed.comm_timing import CommTimer, probe_bus_bandwidth
 from swiftlm.distributed.compression import CommStats
@@ -42,6 +44,7 @@ class SPMDStrategy:
         self.args = args or DistArguments()
         self.comm_stats: CommStats | None = None
         self.saves = sharded.PendingSave()  # a background (--async_save) write in flight
+        self.writer, self.staging = BackgroundWriter(), Staging()  # replicated async saves
         _, self.dp_rank, _ = dims.coordinates(ctx.rank)
         self.dp_size = dims.dp
         # FSDP2: modules a rank may skip (a vision-language model's vision parts)
@@ -95,9 +98,8 @@ class SPMDStrategy:
 
     def save_state(self, folder: Path, model, optimizer):
         if not self.dims.sharded:
-            if self.ctx.is_main:  # replicas are identical; one copy is enough
-                replicated.save_weights_and_optimizer(folder, self.unwrap(model), optimizer)
-            return None
+            self._wait_replicated()
+            return self._save_replicated(folder, model, optimizer)
         self.saves.wait()  # one background save at a time: its data is still staged
         reshard(model)
         group = self.saves.group() if self.args.async_save else None
@@ -107,6 +109,35 @@ class SPMDStrategy:
         if self.ctx.is_main:
             model.save_pretrained(folder, safe_serialization=True, state_dict=full)
         return pending
+
+    def _wait_replicated(self) -> None:
+        """Wait for rank 0's background write; if it failed, every rank stops with the error
+        (the other ranks would otherwise wait for rank 0 at the next barrier)."""
+        error = None
+        try:
+            self.saves.wait()
+        except CheckpointError as exc:
+            error = str(exc)
+        if self.args.async_save and self.ctx.distributed:
+            error = self.ctx.broadcast_object(error)
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _save_replicated(self, folder: Path, model, optimizer):
+        """Rank 0 writes the one copy (replicas are identical): now, or in the background."""
+        if not self.ctx.is_main:
+            return None
+        staging = self.staging if self.args.async_save else None
+        incremental = self.args.incremental_checkpoints
+        write = replicated.prepare_write(
+            folder, self.unwrap(model), optimizer, incremental, staging
+        )
+        if staging is None:
+            write()
+            return None
+        written, finished = self.writer.submit(write)
+        self.saves.track(finished, folder)
+        return written
 
     def load_state(self, folder: Path, model, optimizer) -> None:
         if not self.dims.sharded:
@@ -124,7 +155,10 @@ class SPMDStrategy:
             )
 
     def save_final(self, model, tokenizer, folder: Path) -> None:
-        self.saves.wait()
+        if self.dims.sharded:
+            self.saves.wait()
+        else:
+            self._wait_replicated()
         full = None
         if self.dims.sharded:
             reshard(model)

@@ -18,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from swiftlm.config.sections import DistArguments, TrainArguments
+from swiftlm.config.sections import TrainArguments
+from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed.env import DistContext
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.parallelize import ParallelizeOptions
@@ -126,7 +127,7 @@ def build_strategy(
         from swiftlm.distributed.pp import PipelineParallelStrategy
 
         shape = (train.gradient_accumulation_steps, train.per_device_train_batch_size, max_length)
-        return PipelineParallelStrategy(ctx, device, dims, options, shape)
+        return PipelineParallelStrategy(ctx, device, dims, options, shape, args.async_save)
     from swiftlm.distributed.spmd import SPMDStrategy
 
     return SPMDStrategy(ctx, device, dims, options, args)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swiftlm.checkpoint import is_complete, list_checkpoints
+from swiftlm.checkpoint.blocks import is_block_checkpoint
 from swiftlm.config import InferConfig, RLHFConfig, TrainConfig, load_saved_config
 from swiftlm.errors import CheckpointError, ConfigError, ModelLoadError, SwiftLMError
 from swiftlm.models.loader import resolve_model
@@ -175,9 +176,23 @@ def _locate_checkpoint(path: str, flag: str) -> _Checkpoint:
             "swiftlm run directory, its final/ folder, a checkpoint, a peft adapter folder or "
             "a Hugging Face model folder"
         )
+    if is_block_checkpoint(folder):
+        raise CheckpointError(_block_format_message(flag, folder))
     run_dir = _run_dir_of(folder)
     run_config = _load_run_config(run_dir, flag) if run_dir else None
     return _Checkpoint(flag, folder, run_dir, run_config)
+
+
+def _block_format_message(flag: str, folder: Path) -> str:
+    """A block-format checkpoint holds a manifest, not weights transformers/peft can load."""
+    run = folder.parent.parent if folder.parent.name == "checkpoints" else None
+    final = f" or the run's final weights (--ckpt_dir {run})" if run is not None else ""
+    return (
+        f"{flag}: {folder} is an incremental checkpoint (--incremental_checkpoints true: its "
+        "tensors are blocks in the run's checkpoints/blocks/, listed in blocks.json), which "
+        f"only a training run resumes from; load a checkpoint saved without it{final}, or "
+        f"resume training from it with --resume_from_checkpoint {folder}"
+    )
 
 
 def _final_of_run(run_dir: Path, flag: str) -> Path:

@@ -40,6 +40,7 @@ def apply_tuner(model, args: TunerArguments, kind: str = CAUSAL_LM, vision_type:
     if args.train_type == "full":
         for name, param in model.named_parameters():
             param.requires_grad_(parts is None or name in parts["trained"])
+        freeze_parameters(model, args.freeze_parameters)
         return model
     from peft import get_peft_model
 
@@ -47,6 +48,38 @@ def apply_tuner(model, args: TunerArguments, kind: str = CAUSAL_LM, vision_type:
         return get_peft_model(model, build_lora_config(args, kind, parts))
     except ValueError as exc:  # peft says which target modules it could not find
         raise ConfigError(f"--target_modules {' '.join(args.target_modules)}: {exc}") from None
+
+
+def freeze_parameters(model, prefixes: list[str]) -> None:
+    """--freeze_parameters: keep every parameter whose name starts with one of `prefixes`
+    frozen (ms-swift's meaning). A prefix that names no parameter is an error: a typo would
+    otherwise train what was meant to stay frozen. Tied weights share one parameter, so
+    freezing the input embeddings freezes a tied output head too."""
+    if not prefixes:
+        return
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [p for p in prefixes if not any(_under(name, p) for name in names)]
+    if unmatched:
+        tops = sorted({name.rsplit(".", 2)[0] for name in names})[:6]
+        raise ConfigError(
+            f"--freeze_parameters {' '.join(unmatched)}: no parameter name starts with it; "
+            f"names look like {', '.join(tops)}, ... (e.g. model.embed_tokens)"
+        )
+    for name, param in model.named_parameters():
+        if any(_under(name, p) for p in prefixes):
+            param.requires_grad_(False)
+    if not any(param.requires_grad for param in model.parameters()):
+        raise ConfigError(
+            f"--freeze_parameters {' '.join(prefixes)} freezes every parameter: nothing would "
+            "train; name fewer prefixes"
+        )
+
+
+def _under(name: str, prefix: str) -> bool:
+    """`prefix` is the name itself or one of its leading dotted parts (`model.layers.1`
+    does not freeze model.layers.10)."""
+    prefix = prefix.rstrip(".")
+    return name == prefix or name.startswith(prefix + ".")
 
 
 def count_parameters(model) -> tuple[int, int]:
