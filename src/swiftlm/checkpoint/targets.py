@@ -53,7 +53,11 @@ def find_resume_checkpoint(run_dir: Path, spec: str) -> tuple[Path | None, list[
     """Resolve --resume_from_checkpoint: (folder to resume from, incomplete ones skipped).
 
     `auto` takes the newest complete checkpoint of `run_dir` (None: there is none); a folder
-    given by path must be a complete checkpoint, or a CheckpointError says what it is."""
+    given by path must be a complete checkpoint, or a CheckpointError says what it is. A
+    mirror URL gives (None, []): it is looked at when the run resumes (`tiers.py`), and
+    `auto` across the local tier and the mirror is `tiers.Tiers.newest`."""
+    if "://" in spec:
+        return None, []
     if spec != "auto":
         problem = not_resumable(spec)
         if problem:
@@ -67,7 +71,9 @@ def find_resume_checkpoint(run_dir: Path, spec: str) -> tuple[Path | None, list[
 
 def not_resumable(spec: str) -> str | None:
     """Why --resume_from_checkpoint `spec` cannot be resumed from, as the error message
-    (None: it is a complete checkpoint)."""
+    (None: it is a complete checkpoint, or a mirror URL: checked when the run resumes)."""
+    if "://" in spec:
+        return None
     folder, given = Path(spec).expanduser(), f"{RESUME} {spec}"
     if not folder.exists():
         return f"{given}: no such folder; {RESUME_HINT}"
