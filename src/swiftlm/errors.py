@@ -27,3 +27,20 @@ class CheckpointError(SwiftLMError):
 
 class ExportCheckError(SwiftLMError):
     """An exported model that, read back, does not reproduce the model it was made from."""
+
+
+class Preempted(SwiftLMError):
+    """SIGTERM or SIGUSR1 stopped the run after it saved a complete checkpoint of the step.
+
+    Its own exit status (not 1/2: nothing is wrong; not 75: the heartbeat's hang; not 128+N:
+    a process killed by signal N before it could save), so that a scheduler can requeue on
+    it: e.g. a Kubernetes podFailurePolicy `onExitCodes: [99]`, or a SLURM batch script's
+    `[ $? -eq 99 ] && scontrol requeue $SLURM_JOB_ID`. The requeued job resumes with
+    `--resume_from_checkpoint auto`.
+    """
+
+    exit_code = 99
+
+    def __init__(self, message: str, signal_name: str = "SIGTERM"):
+        super().__init__(message)
+        self.signal_name = signal_name

@@ -7,9 +7,9 @@ import os
 import sys
 import warnings
 
-from swiftlm.distributed.failures import report_error
+from swiftlm.distributed.failures import failure_dir, report_error, write_failure
 from swiftlm.distributed.launch import launch, wants_launch
-from swiftlm.errors import SwiftLMError
+from swiftlm.errors import Preempted, SwiftLMError
 
 # subcommand -> (config class path, module with run(cfg), one-line description). A training
 # command (TrainConfig) is a method of `swiftlm.methods.METHODS`, run as run(cfg, name).
@@ -108,6 +108,14 @@ def quiet_libraries() -> None:
     silence_quantization_noise()
 
 
+def record_preemption(exc: Preempted) -> None:
+    """In a worker of swiftlm's launcher, tell it the workers stopped for preemption after
+    saving (it then exits with the same status rather than 128 + the signal)."""
+    folder = failure_dir()
+    if folder is not None:
+        write_failure(folder, str(exc), exc.exit_code, printed=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -145,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             run(cfg, cfg.rlhf.rlhf_type)
         else:
             run(cfg)
+    except Preempted as exc:  # rank 0's loop has said where the checkpoint is
+        record_preemption(exc)
+        return exc.exit_code
     except SwiftLMError as exc:
         report_error(name, exc)  # a torchrun worker leaves it to the launcher, to print once
         return exc.exit_code

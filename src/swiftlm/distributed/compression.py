@@ -7,9 +7,11 @@
 - bf16: a cast hook written here, half the bytes. torch's own `bf16_compress_hook` refuses any
   backend but NCCL/XCCL by its name, although gloo all-reduces bfloat16 fine.
 - powersgd: torch's PowerSGD (rank-1 factors with error feedback) after two plain steps.
-- topk: each rank sends only the `--topk_ratio` largest entries of its bucket (values and
-  int32 indices, exchanged with all-gather). The entries it drops are kept as a residual and
-  added to the next step's gradient (error feedback), so no gradient mass is lost, only late.
+- topk: each rank sends only the `--topk_ratio` largest entries of each block of its bucket
+  (values and int16 positions, exchanged with all-gather). The entries it drops are kept as a
+  residual and added to the next step's gradient (error feedback), so no gradient mass is
+  lost, only late. The residuals (and PowerSGD's state) are saved with each checkpoint
+  (`CompressionCheckpoint`, `compression_state`), so a compressed run resumes exactly.
 
 Every hook adds to a `CommStats`: the bytes each rank sends per optimizer step under the
 textbook ring algorithms (all-reduce: 2(n-1)/n x payload; all-gather: (n-1) x payload), next
@@ -27,8 +29,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from swiftlm.config.sections import DistArguments
+from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed.comm_timing import CommTimer, timed
+from swiftlm.distributed.compression_state import PowerSGDLayouts
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 # Top-k sends each kept entry as an fp16 value and an int16 position inside its block of
@@ -67,6 +70,7 @@ class CommStats:
     total_dense: int = 0
     total_steps: int = 0
     timer: CommTimer = field(default_factory=CommTimer)  # when each bucket's collective ran
+    checkpoint: "CompressionCheckpoint | None" = None  # its state, saved with each checkpoint
 
     def add(self, sent: int, dense: int, ends_step: bool) -> None:
         """Count one bucket; `ends_step` marks the step's last bucket (DDP's `is_last`)."""
@@ -175,6 +179,20 @@ class TopKState(HookState):
     ratio: float
     # id(parameter) -> its share of the residual (what was not sent yet)
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    # id(parameter) -> its place among the model's parameters: the order top-k lays a
+    # bucket out in before it cuts blocks, whatever order DDP put the bucket in
+    order: dict[int, int] = field(default_factory=dict)
+
+    def canonical(self, bucket: dist.GradBucket) -> list[int]:
+        """The bucket's parameters (their positions in it) in the model's order.
+
+        DDP builds each process's buckets in reverse parameter order, then rebuilds them
+        after the first step in the order gradients became ready, so a resumed run's first
+        step sees the parameters in another order than the saved run's last step did. The
+        blocks top-k picks from are cut in the model's order, the same in both.
+        """
+        params = bucket.parameters()
+        return sorted(range(len(params)), key=lambda i: self.order.get(id(params[i]), i))
 
     def residual_for(self, bucket: dist.GradBucket) -> torch.Tensor:
         """The residual over the bucket's flat buffer; zeros for parameters not seen yet.
@@ -232,6 +250,7 @@ def _count_cast(state: HookState, bucket: dist.GradBucket, dtype: torch.dtype) -
 @dataclass
 class PowerSGDCountingState(HookState):
     powersgd: powersgd.PowerSGDState
+    layouts: PowerSGDLayouts | None = None  # its buffers matched to DDP's current buckets
 
 
 def powersgd_hook(
@@ -239,6 +258,8 @@ def powersgd_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's PowerSGD, counted from the element counts it keeps itself."""
     ps, world = state.powersgd, state.world_size
+    if state.layouts is not None:
+        state.layouts.align(bucket)
     dense = _dense_bytes(bucket, world)
     plain = ps.iter < ps.start_powerSGD_iter  # PowerSGD all-reduces plainly before its start
     before = ps.total_numel_after_compression
@@ -250,10 +271,16 @@ def powersgd_hook(
 
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Send the largest entries (+ residual) of this rank's bucket; average all ranks' picks."""
+    """Send the largest entries (+ residual) of this rank's bucket, laid out in the model's
+    parameter order (`TopKState.canonical`); average all ranks' picks."""
     buffer, world = bucket.buffer(), state.world_size
-    values, indices, residual = topk_compress(buffer, state.residual_for(bucket), state.ratio)
-    state.keep_residual(bucket, residual)
+    order = state.canonical(bucket)
+    sizes = [p.numel() for p in bucket.parameters()]
+    grads, residuals = buffer.split(sizes), state.residual_for(bucket).split(sizes)
+    laid_out = [torch.cat([parts[i] for i in order]) for parts in (grads, residuals)]
+    values, indices, residual = topk_compress(laid_out[0], laid_out[1], state.ratio)
+    parts = dict(zip(order, residual.split([sizes[i] for i in order]), strict=True))
+    state.keep_residual(bucket, torch.cat([parts[i] for i in range(len(sizes))]))
     sent = allgather_wire_bytes(topk_payload_bytes(buffer.numel(), state.ratio), world)
     state.stats.add(sent, _dense_bytes(bucket, world), bucket.is_last())
     # One byte buffer per rank (gloo has no int16 collectives); k is the same on every rank
@@ -269,7 +296,10 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         all_values = torch.cat([g[:split].view(VALUE_DTYPE).view(values.shape) for g in gathered])
         all_indices = torch.cat([g[split:].view(INDEX_DTYPE).view(indices.shape) for g in gathered])
         mean = topk_decompress(buffer.numel(), all_values, all_indices, world, buffer.dtype)
-        return buffer.copy_(mean)
+        means = mean.split([sizes[i] for i in order])
+        for i, part in zip(order, means, strict=True):  # back into the bucket's order
+            grads[i].copy_(part)
+        return buffer
 
     return work.get_future().then(decompress)
 
@@ -289,17 +319,76 @@ def register_compression(
     method = args.grad_compression
     stats = CommStats(method)
     common = HookState(process_group, stats)
+    params = _named_parameters(ddp_model)
     if method == "powersgd":
         ps = powersgd.PowerSGDState(
             process_group=process_group,
             matrix_approximation_rank=POWERSGD_RANK,
             start_powerSGD_iter=POWERSGD_START_STEP,
         )
-        state, hook = PowerSGDCountingState(process_group, stats, ps), powersgd_hook
+        layouts = PowerSGDLayouts(ps, {id(p): p for p in params.values()})
+        state, hook = PowerSGDCountingState(process_group, stats, ps, layouts), powersgd_hook
     elif method == "topk":
-        state, hook = TopKState(process_group, stats, ratio=args.topk_ratio), topk_hook
+        order = {id(p): i for i, p in enumerate(params.values())}
+        state = TopKState(process_group, stats, ratio=args.topk_ratio, order=order)
+        hook = topk_hook
     else:
         hooks = {"none": allreduce_hook, "fp16": fp16_hook, "bf16": bf16_cast_hook}
         state, hook = common, hooks[method]
     ddp_model.register_comm_hook(state, timed(hook, stats.timer))
+    stats.checkpoint = CompressionCheckpoint(method, state, params)
     return stats
+
+
+def _named_parameters(ddp_model) -> dict[str, torch.nn.Parameter]:
+    """The wrapped model's parameters by name: how checkpoints key each rank's state."""
+    module = getattr(ddp_model, "module", None)
+    return dict(module.named_parameters()) if module is not None else {}
+
+
+class CompressionCheckpoint:
+    """What --grad_compression carries from step to step, as each rank's checkpoint state
+    (`checkpoint.save` writes it as rank_state/compression-rank{r}): top-k's residuals,
+    PowerSGD's errors, Q factors, counter and generator (`compression_state`)."""
+
+    state_name = "compression"
+
+    def __init__(self, method: str, hook_state: HookState, params: dict[str, torch.nn.Parameter]):
+        self.method, self.hook_state = method, hook_state
+        self.params = {id(p): p for p in params.values()}
+        self.names = {id(p): name for name, p in params.items()}
+        self.ids = {name: id(p) for name, p in params.items()}
+
+    def state_dict(self) -> dict:
+        state: dict = {"method": self.method}
+        if isinstance(self.hook_state, TopKState):
+            residuals = self.hook_state.residuals.items()
+            state["residuals"] = {self.names[i]: r for i, r in residuals}
+        elif isinstance(self.hook_state, PowerSGDCountingState):
+            state["powersgd"] = self.hook_state.layouts.state_dict(self.names)
+        return state
+
+    def load_state_dict(self, saved: dict | None) -> str | None:
+        """Restore the saved state; a note for the log when it cannot be (None: restored, or
+        nothing to restore). A stateless method (none, fp16, bf16) carries nothing."""
+        stateful = ("topk", "powersgd")
+        was = saved["method"] if saved else None
+        if was != self.method:
+            if was in stateful:
+                return (
+                    f"the checkpoint's --grad_compression {was} state (the gradient not sent "
+                    f"yet) is dropped: this run uses --grad_compression {self.method}"
+                )
+            if self.method in stateful:
+                why = f"saved with --grad_compression {was}" if was else "none for this rank"
+                return f"--grad_compression {self.method} starts with an empty state ({why})"
+            return None
+        if isinstance(self.hook_state, TopKState):
+            self.hook_state.residuals = {
+                self.ids[name]: r.to(self.params[self.ids[name]].device)
+                for name, r in saved["residuals"].items()
+                if name in self.ids
+            }
+        elif isinstance(self.hook_state, PowerSGDCountingState):
+            self.hook_state.layouts.load_state_dict(saved["powersgd"], self.ids)
+        return None
