@@ -210,16 +210,17 @@ def test_a_config_yaml_without_a_flag_skips_it(tmp_path):
 
 
 def test_the_batch_size_counts_across_data_parallel_ranks(tmp_path):
-    # Saved by 2 ranks x 2 samples: one process may resume with 4 (the same samples per step).
+    # Saved by 2 ranks x 2 samples: one process may resume with 4 (the same samples per step),
+    # or with 2 and twice the accumulation; otherwise the global batch would change.
     before = saved(tmp_path, "--per_device_train_batch_size", 2)
     assert differences(before, now("--per_device_train_batch_size", 4), ranks=(2, 1)) == []
     assert differences(before, now("--per_device_train_batch_size", 2), ranks=(2, 1)) == [
-        "--per_device_train_batch_size: saved 2 on 2 data-parallel ranks, now 2 on 1 (the "
-        "samples per step must stay 4)"
+        "global batch: saved 4 rows per step, now 2 rows per step (2 per device x 1 "
+        "data-parallel rank x 1 accumulation); --gradient_accumulation_steps 2 keeps it"
     ]
     budget = ["--max_tokens_per_batch", 4096]
     before = saved(tmp_path, *budget)
     assert differences(before, now(*budget), ranks=(2, 1)) == [
-        "data-parallel ranks: saved 2, now 1 (with --max_tokens_per_batch each rank takes its "
-        "own micro-batches: run on as many processes as before)"
+        "global batch: saved 2 budget micro-batches per step, now 1 budget micro-batches per "
+        "step (1 data-parallel rank x 1 accumulation); --gradient_accumulation_steps 2 keeps it"
     ]

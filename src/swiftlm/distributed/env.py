@@ -84,9 +84,14 @@ def attempt_store(timeout: timedelta):
     and torch does not separate attempts: restarted workers read the dead workers' gloo
     addresses / NCCL ids and fail to connect. On several nodes this relies on every agent
     having restarted as often, as they do when the whole group fails and restarts together.
+    An elastic job's workers get a fresh store each time instead (hosted by worker rank 0,
+    see `launch.worker_environment`): nothing of an earlier set of workers is in it, and the
+    agents' restart counts differ once a node has joined, so no prefix.
     """
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        return store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"default_pg/attempt-{attempt}", store)
 

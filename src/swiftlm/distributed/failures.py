@@ -25,13 +25,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FAILURE_DIR_ENV = "SWIFTLM_FAILURE_DIR"
+ELASTIC_ENV = "SWIFTLM_ELASTIC"  # set by the launcher of an elastic job (--nnodes MIN:MAX)
+# How a collective fails when a peer's process is gone (gloo's words; NCCL's watchdog aborts).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 @dataclass(frozen=True)
 class Failure:
     rank: int
     pid: int  # matches torchrun's own record of the failed process
-    attempt: int  # torchrun's restart count: records of earlier attempts are history
+    attempt: str  # this set of workers (`current_attempt`): records of earlier ones are history
     time: float
     exit_code: int
     text: str  # what the user is shown: the `swiftlm sft: error: ...` text, or the crash
@@ -71,13 +74,28 @@ def install_crash_hook() -> None:
             return  # another rank failed first; the launcher reports that failure
         summary = f"{exc_type.__name__}: {exc}".splitlines()[0]
         write_failure(folder, summary, 1, printed=True)
+        if os.environ.get(ELASTIC_ENV) and any(sign in summary for sign in PEER_LOST):
+            # An elastic job lost a node: expected, and its agent restarts the workers.
+            print(
+                f"[rank {os.environ['RANK']}] a node left the job ({summary[:200]}); the "
+                "elastic agent restarts the workers at the new size",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         previous(exc_type, exc, traceback)
 
     sys.excepthook = hook
 
 
-def current_attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def current_attempt() -> str:
+    """This set of workers: torchrun's restart count; in an elastic job also the store its
+    rank 0 hosts, on a port chosen anew at every membership change, which restarts the
+    workers without counting a restart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get(ELASTIC_ENV):
+        attempt += f"-{os.environ.get('MASTER_PORT', '0')}"
+    return attempt
 
 
 def write_failure(folder: Path, text: str, exit_code: int, printed: bool) -> None:
@@ -96,7 +114,7 @@ def write_failure(folder: Path, text: str, exit_code: int, printed: bool) -> Non
     partial.replace(path)  # whole or absent: another rank may be reading the folder right now
 
 
-def read_failures(folder: Path, attempt: int | None = None) -> list[Failure]:
+def read_failures(folder: Path, attempt: str | None = None) -> list[Failure]:
     """The records in `folder` (of one attempt, when given), first failure first."""
     failures = [Failure(**json.loads(path.read_text())) for path in folder.glob("*.json")]
     if attempt is not None:

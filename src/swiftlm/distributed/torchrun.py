@@ -13,10 +13,17 @@ import tempfile
 from pathlib import Path
 
 from swiftlm.distributed.failures import FAILURE_DIR_ENV, Failure, read_failures
+from swiftlm.distributed.signals import (
+    PREEMPTED_EXIT_CODE,
+    agent_grace,
+    agent_signals,
+    stop_agent_once,
+)
 
 # torchrun's log lines (their format strings) that the notices below replace.
 SIGTERM_SENT = "Sending process %s closing signal %s"
 WORKER_FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+NODES_JOINED = "[%s] Detected %s new nodes from group_rank=%s; will restart worker group"
 
 
 def main(argv: list[str]) -> int:
@@ -25,9 +32,16 @@ def main(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
+    # SIGTERM and SIGUSR1 go on to the workers, who get time to save (`signals`)
+    args.signals_to_handle = agent_signals(args.signals_to_handle)
+    args.shutdown_timeout = agent_grace(args.shutdown_timeout)
+    stop_agent_once()
     command = " ".join(["swiftlm", *args.training_script_args[:1]])  # "swiftlm sft"
     notices = WorkerExitNotices(command, args.max_restarts)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(notices)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent_log.addFilter(MembershipNotices(command, shown=agent_log.getEffectiveLevel()))
+    agent_log.setLevel(min(agent_log.getEffectiveLevel(), logging.INFO))  # to see joins
     with tempfile.TemporaryDirectory(prefix="swiftlm-failures-") as folder:
         os.environ[FAILURE_DIR_ENV] = folder  # the workers inherit it
         try:
@@ -35,6 +49,8 @@ def main(argv: list[str]) -> int:
         except ChildFailedError as exc:
             return report_child_failure(command, exc, Path(folder))
         except SignalException as exc:  # this launcher was stopped (Ctrl-C, SIGTERM)
+            if any(r.exit_code == PREEMPTED_EXIT_CODE for r in read_failures(Path(folder))):
+                return PREEMPTED_EXIT_CODE  # the workers saved; rank 0 said where
             return 128 + int(exc.sigval)
     return 0
 
@@ -70,6 +86,27 @@ class WorkerExitNotices(logging.Filter):
         return False
 
 
+class MembershipNotices(logging.Filter):
+    """An elastic job's agent restarting its workers because nodes joined, said in one line
+    (torchrun logs it at INFO, below what it shows). Other lines pass as torchrun's level
+    (`shown`) would let them."""
+
+    def __init__(self, command: str, shown: int):
+        super().__init__()
+        self.command, self.shown = command, shown
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == NODES_JOINED:
+            print(
+                f"{self.command}: {record.args[1]} node(s) joined; restarting the workers at the "
+                "new world size (they resume from the newest checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        return record.levelno >= self.shown
+
+
 def report_child_failure(command: str, exc, folder: Path) -> int:
     """Print the first failure of torchrun's last attempt; return its exit code."""
     failed_pids = {failure.pid for failure in exc.failures.values()}
@@ -87,6 +124,8 @@ def report_child_failure(command: str, exc, folder: Path) -> int:
 
 def report_record(command: str, records: list[Failure]) -> int:
     first = records[0]
+    if first.exit_code == PREEMPTED_EXIT_CODE:  # a signal to the workers: they saved and
+        return first.exit_code  # stopped, and rank 0 said where the checkpoint is
     if not first.printed:
         print(first.text, file=sys.stderr)
     line = f"{command}: stopped: rank {first.rank} failed first (exit code {first.exit_code})"

@@ -20,28 +20,37 @@ import torch
 from swiftlm.checkpoint.targets import run_dir_of
 from swiftlm.config import TrainConfig
 from swiftlm.config.rules import Facts, pipeline
+from swiftlm.config.sections import AUTO_BATCH_SIZE
+from swiftlm.config.sections_dist import node_range
 from swiftlm.distributed.launch import launched_by_torchrun
 from swiftlm.methods.vision import PACKABLE
 from swiftlm.models.attention import flash_attention_available
 from swiftlm.models.vision import vision_language_type
 from swiftlm.train.autobatch import auto_batch_size
+from swiftlm.train.elastic import accumulation_for, planned_shape
+
+
+def launched_world() -> int:
+    """The processes torchrun started (1 without torchrun)."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
 
 
 def run_facts(method_cls) -> Facts:
     """What the rules check a training config against besides its flags: the method, and the
     processes torchrun started (1 without torchrun)."""
-    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
-    return Facts(world_size=world_size, method=method_cls)
+    return Facts(world_size=launched_world(), method=method_cls)
 
 
 def resolve_config(
-    cfg: TrainConfig, method_cls, model_name: str, device: torch.device
+    cfg: TrainConfig, method_cls, model_name: str, device: torch.device, log=print
 ) -> TrainConfig:
     """`cfg` with every unset value that is known before the model loads filled in.
 
     `--per_device_train_batch_size auto` stays as it is (see `resolve_auto_batch`). Assumes
     the rules hold (`dataset_given`, `resume_auto_needs_output_dir`, ...)."""
     cfg = resolve_defaults(cfg, method_cls, device)
+    if cfg.train.per_device_train_batch_size != AUTO_BATCH_SIZE:
+        cfg = elastic_accumulation(cfg, launched_world(), log)
     output = cfg.output
     return dataclasses.replace(
         cfg,
@@ -130,6 +139,25 @@ def resolve_auto_batch(cfg: TrainConfig, model, loss_fn, placement, ctx, log) ->
         )
     size, how = ctx.broadcast_object((size, how))
     log(f"--per_device_train_batch_size auto: {size} ({how})")
-    return dataclasses.replace(
+    cfg = dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, per_device_train_batch_size=size)
+    )
+    return elastic_accumulation(cfg, ctx.world_size, log)
+
+
+def elastic_accumulation(cfg: TrainConfig, world_size: int, log) -> TrainConfig:
+    """An elastic job's gradient accumulation on `world_size` processes: the one that keeps
+    the global batch its flags give at its largest size (`train.elastic`); a ConfigError
+    when this size cannot. Other runs keep their flags."""
+    if not cfg.dist.elastic:
+        return cfg
+    planned = planned_shape(cfg, world_size)
+    accumulation = accumulation_for(planned.size, cfg, world_size)
+    low, high = node_range(cfg.dist.nnodes)
+    log(
+        f"elastic job ({low} to {high} nodes) at world size {world_size}: gradient "
+        f"accumulation {accumulation} keeps the global batch: {planned} at {high} nodes"
+    )
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, gradient_accumulation_steps=accumulation)
     )

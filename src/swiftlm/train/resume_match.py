@@ -4,10 +4,14 @@ config.yaml of that run:
 
 - MUST_MATCH: the model and tuner shape the saved weights belong to; the data, batching and
   seed that the saved data position counts micro-batches of; the optimizer settings and the
-  schedule's shape; the objective of `swiftlm rlhf` (method, beta, loss type and weights). The batch size is compared across data-parallel ranks: a run may resume
-  on another number of processes with the same samples per step (2 ranks x 2 = 1 x 4). The optimizer's saved state brings back its learning rate, betas, eps and
-  weight decay (`Optimizer.load_state_dict`), and the schedule its base learning rate, so a
-  new value there would be silently ignored. Any difference is a ConfigError naming each
+  schedule's shape; the objective of `swiftlm rlhf` (method, beta, loss type and weights).
+  The batch is compared as the global batch, the rows of an optimizer step (`elastic`): a
+  run may resume on another number of processes with the same rows per step (2 ranks x 2
+  rows x 1 accumulation = 1 x 4 x 1 = 1 x 2 x 2); the data position is converted
+  (`state.resume`). An elastic job (--nnodes MIN:MAX) keeps it by itself: its gradient
+  accumulation follows the ranks (`resolve`). The optimizer's saved state brings back its
+  learning rate, betas, eps and weight decay (`Optimizer.load_state_dict`), and the schedule
+  its base learning rate, so a new value there would be silently ignored. Any difference is a ConfigError naming each
   `--flag: saved X, now Y`.
 - The run's length (--max_steps / --num_train_epochs) may change, to extend a run: the
   schedule is rebuilt for the new length from the checkpoint's step on (`state.resume` sets
@@ -17,6 +21,7 @@ config.yaml of that run:
   change.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,6 +33,7 @@ from swiftlm.config import TrainConfig
 from swiftlm.config.checks import flag_values
 from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
+from swiftlm.train.elastic import GLOBAL_BATCH, data_parallel, planned_world, shape_of
 
 
 def _always(cfg: TrainConfig) -> bool:
@@ -74,7 +80,6 @@ MUST_MATCH = {
     "loss_scope": _always,
     "data_seed": _always,
     "seed": _always,
-    "gradient_accumulation_steps": _always,
     "packing": _always,
     "max_tokens_per_batch": _always,
     "padding_free": _token_budget,
@@ -147,7 +152,8 @@ def check_resume_matches(cfg: TrainConfig, world_size: int, log) -> None:
         return
     saved, state = _saved_flags(saved_file), _trainer_state(checkpoint)
     saved_ranks = data_parallel(saved, state.get("world_size", world_size))
-    changed = differences(saved, cfg, (saved_ranks, data_parallel(cfg, world_size)))
+    now_ranks = data_parallel(cfg, planned_world(cfg, world_size))
+    changed = differences(saved, cfg, (saved_ranks, now_ranks), state.get(GLOBAL_BATCH))
     if changed:
         raise ConfigError(
             f"--resume_from_checkpoint {spec}: {checkpoint} was saved by a run with other "
@@ -159,10 +165,13 @@ def check_resume_matches(cfg: TrainConfig, world_size: int, log) -> None:
     _check_run_length(saved, cfg, checkpoint, state.get("step", 0), log)
 
 
-def differences(saved: dict, cfg: TrainConfig, ranks: tuple[int, int] = (1, 1)) -> list[str]:
+def differences(
+    saved: dict, cfg: TrainConfig, ranks: tuple[int, int] = (1, 1), saved_global: int | None = None
+) -> list[str]:
     """`--flag: saved X, now Y` for each MUST_MATCH flag that differs, in flag order, then the
-    batch size (`ranks`: the data-parallel ranks of the saved run and of this one). A flag
-    missing from the saved config (written by an older swiftlm) is not compared."""
+    global batch (`ranks`: the data-parallel ranks of the saved run and of this one;
+    `saved_global`: the checkpoint's record of it, else computed from the saved flags). A
+    flag missing from the saved config (written by an older swiftlm) is not compared."""
     lines = []
     for flag, value in flag_values(cfg).items():
         matters = MUST_MATCH.get(flag)
@@ -170,41 +179,34 @@ def differences(saved: dict, cfg: TrainConfig, ranks: tuple[int, int] = (1, 1)) 
             continue
         if saved[flag] != value:
             lines.append(f"--{flag}: saved {_shown(saved[flag])}, now {_shown(value)}")
-    batch = _batch_difference(saved, cfg, *ranks)
+    batch = _global_batch_difference(saved, cfg, ranks, saved_global)
     return lines + ([batch] if batch else [])
 
 
-def data_parallel(flags, world_size: int) -> int:
-    """The data-parallel ranks of a run: its processes over its tensor and pipeline stages.
-    `flags`: a TrainConfig, or the flat flags of a saved one."""
-    if isinstance(flags, TrainConfig):
-        flags = flag_values(flags)
-    split = (flags.get("tensor_parallel_size") or 1) * (flags.get("pipeline_parallel_size") or 1)
-    return max(world_size // split, 1)
-
-
-def _batch_difference(saved: dict, cfg: TrainConfig, saved_ranks: int, ranks: int) -> str | None:
-    """The saved data position counts steps of (batch size x data-parallel ranks) samples, or,
-    with a token budget, of one budget micro-batch per rank."""
-    if cfg.train.max_tokens_per_batch > 0:
-        if saved_ranks == ranks:
-            return None
-        return (
-            f"data-parallel ranks: saved {saved_ranks}, now {ranks} (with --max_tokens_per_batch "
-            "each rank takes its own micro-batches: run on as many processes as before)"
-        )
-    before = saved.get("per_device_train_batch_size")
-    now = cfg.train.per_device_train_batch_size
-    if before is None or now == AUTO_BATCH_SIZE:  # auto reuses the saved size (resolve.py)
+def _global_batch_difference(
+    saved: dict, cfg: TrainConfig, ranks: tuple[int, int], saved_global: int | None
+) -> str | None:
+    """The saved data position and optimizer state belong to steps of one global batch (rows,
+    or with a token budget budget micro-batches, per step: `elastic`). The ranks may change
+    when the batch size or gradient accumulation makes up for it: 2 ranks x 2 rows x 1 step
+    = 1 rank x 2 rows x 2 steps."""
+    now = shape_of(flag_values(cfg), 1)
+    now = dataclasses.replace(now, ranks=ranks[1])
+    if saved_global is None:
+        if "per_device_train_batch_size" not in saved:
+            return None  # written by an older swiftlm
+        before = shape_of(saved, 1)
+        saved_global = dataclasses.replace(before, ranks=ranks[0]).size
+    if cfg.train.per_device_train_batch_size == AUTO_BATCH_SIZE and not now.budget:
+        return None  # auto reuses the saved size (resolve.py)
+    if saved_global == now.size:
         return None
-    if before * saved_ranks == now * ranks:
-        return None
-    if saved_ranks == ranks:
-        return f"--per_device_train_batch_size: saved {before}, now {now}"
-    return (
-        f"--per_device_train_batch_size: saved {before} on {saved_ranks} data-parallel ranks, "
-        f"now {now} on {ranks} (the samples per step must stay {before * saved_ranks})"
-    )
+    unit = "budget micro-batches" if now.budget else "rows"
+    per_micro_batch = now.per_rank * now.ranks
+    hint = ""
+    if saved_global % per_micro_batch == 0:
+        hint = f"; --gradient_accumulation_steps {saved_global // per_micro_batch} keeps it"
+    return f"global batch: saved {saved_global} {unit} per step, now {now}{hint}"
 
 
 def _saved_flags(path: Path) -> dict:
