@@ -60,7 +60,7 @@ def test_label_share_counts_label_positions_in_memory_and_in_arrow(tmp_path):
     # GRPO prompts have no labels: a reason, and the summary leaves the share out.
     reason = count_labels([{"prompt_ids": [1]}], ("prompt_ids", "row", "weight"))
     assert isinstance(reason, str) and "no label column" in reason
-    train = summarize_data(SplitFacts([1], reason), None, LayoutFacts("fixed size", [[1]]))
+    train = summarize_data(SplitFacts([1], reason), None, LayoutFacts.of("fixed size", [[1]]))
     assert train["train"]["label_token_share"] is None
     assert train["train"]["label_token_share_note"] == reason
 
@@ -72,7 +72,7 @@ def test_large_in_memory_sets_are_sampled_for_the_label_share(monkeypatch):
     samples = SAMPLES * 3  # 6 samples, every 3rd counted: the first pair, twice
     assert count_labels(samples, ("input_ids", "labels")) == (3, 6, 2)
     facts = SplitFacts([4, 2] * 3, count_labels(samples, ("input_ids", "labels")))
-    summary = summarize_data(facts, None, LayoutFacts("fixed size", [[4, 2]]))
+    summary = summarize_data(facts, None, LayoutFacts.of("fixed size", [[4, 2]]))
     assert summary["train"]["label_token_share_note"] == "estimated on 2 of 6"
 
 
@@ -80,12 +80,12 @@ def test_large_in_memory_sets_are_sampled_for_the_label_share(monkeypatch):
     ("facts", "efficiency", "extra"),
     [
         # rows padded to the longest of their micro-batch: 9 real of 2*4 + 1*3 = 11 held
-        (LayoutFacts("fixed size", [[4, 2], [3]]), 0.8182, {}),
-        (LayoutFacts("token budget", [[4, 2], [3]]), 0.8182, {}),
+        (LayoutFacts.of("fixed size", [[4, 2], [3]]), 0.8182, {}),
+        (LayoutFacts.of("token budget", [[4, 2], [3]]), 0.8182, {}),
         # one flat row per micro-batch: no padding
-        (LayoutFacts("padding-free", [[4, 2], [3]], padding_free=True), 1.0, {}),
+        (LayoutFacts.of("padding-free", [[4, 2], [3]], padding_free=True), 1.0, {}),
         # packed rows of 8: 18 real of 2*7 + 6 = 20 held; rows 18 / (3 * 8) full
-        (LayoutFacts("packed", [[7, 5], [6]], row_capacity=8), 0.9, {"packed_row_fill": 0.75}),
+        (LayoutFacts.of("packed", [[7, 5], [6]], row_capacity=8), 0.9, {"packed_row_fill": 0.75}),
     ],
 )
 def test_layout_efficiency(facts, efficiency, extra):
@@ -96,22 +96,35 @@ def test_layout_efficiency(facts, efficiency, extra):
     assert {k: summary[k] for k in extra} == extra
 
 
-def test_layout_facts_follow_the_batch_plan():
-    lengths = [4, 2, 3, 7, 1]
-    fixed = _layout_facts(build_batch_plan(lengths, 2, 1, 0), 8)
-    assert fixed.kind == "fixed size" and not fixed.padding_free and fixed.row_capacity == 0
-    assert sorted(n for b in fixed.micro_batches for n in b) == sorted(lengths)
-    assert [len(b) for b in fixed.micro_batches] == [2, 2, 1]
-    packed = _layout_facts(build_batch_plan(lengths, 2, 1, 0, pack_to=8), 8)
-    assert packed.kind == "packed" and packed.row_capacity == 8
-    assert sum(n for b in packed.micro_batches for n in b) == sum(lengths)
+def _held_by_hand(plan) -> int:
+    """Each rank micro-batch padded to its longest row, summed from the epoch's batches."""
+    batches = [b for g in plan.epoch_batches(0) for b in g if b]
+    return sum(len(b) * max(plan.row_length(r) for r in b) for b in batches)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3])
+def test_layout_facts_follow_the_batch_plan(dp_size):
+    lengths = [4, 2, 3, 7, 1, 9, 5]
+    plan = build_batch_plan(lengths, 2, dp_size, 0)
+    fixed = _layout_facts(plan, 8)  # counted without building the epoch's batches
+    assert fixed.kind == "fixed size" and fixed.row_capacity == 0
+    assert (fixed.rows, fixed.real_tokens) == (7, sum(lengths))
+    assert fixed.micro_batches == 4 and fixed.held_tokens == _held_by_hand(plan)
+    packed_plan = build_batch_plan(lengths, 2, 1, 0, pack_to=10)
+    packed = _layout_facts(packed_plan, 10)
+    assert packed.kind == "packed" and packed.row_capacity == 10
+    assert packed.real_tokens == sum(lengths) and packed.held_tokens == _held_by_hand(packed_plan)
     budget = build_batch_plan(lengths, 1, 1, 0, max_tokens=8, padding_free=True)
-    assert _layout_facts(budget, 8).kind == "padding-free + token budget"
+    facts = _layout_facts(budget, 8)
+    assert facts.kind == "padding-free + token budget"
+    assert facts.held_tokens == facts.real_tokens == sum(lengths)
 
 
 def test_the_printed_summary_is_short_and_names_the_numbers():
     train = SplitFacts(LENGTHS, (30, 63, 7), TRUNCATION)
-    summary = summarize_data(train, SplitFacts([5], (1, 5, 1)), LayoutFacts("fixed size", [[4, 2]]))
+    summary = summarize_data(
+        train, SplitFacts([5], (1, 5, 1)), LayoutFacts.of("fixed size", [[4, 2]])
+    )
     text = format_data_health(summary)
     assert text.splitlines() == [
         "data: 7 samples, 63 tokens; length min/p50/p95/max 3/8/20/20; 3 truncated at 2048 "

@@ -48,9 +48,20 @@ class LayoutFacts:
     """The batch plan of one epoch, as plain numbers."""
 
     kind: str  # "fixed size", "packed", "padding-free", "token budget" (or a combination)
-    micro_batches: list[list[int]]  # per rank micro-batch: the token length of each row
-    padding_free: bool = False  # a micro-batch is one flat row: no padding at all
+    micro_batches: int  # non-empty rank micro-batches of the epoch
+    rows: int
+    real_tokens: int  # tokens of the samples
+    held_tokens: int  # tokens the micro-batches hold: padded to their longest row (or real)
     row_capacity: int = 0  # --packing: the tokens a packed row may hold (--max_length)
+
+    @classmethod
+    def of(cls, kind: str, micro_batches: list[list[int]], padding_free=False, row_capacity=0):
+        """From the token length of each row of each rank micro-batch."""
+        batches = [b for b in micro_batches if b]
+        real = sum(sum(b) for b in batches)
+        held = real if padding_free else sum(len(b) * max(b) for b in batches)
+        rows = sum(len(b) for b in batches)
+        return cls(kind, len(batches), rows, real, held, row_capacity)
 
 
 def label_columns(columns: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -149,14 +160,12 @@ def split_summary(facts: SplitFacts) -> dict:
 def layout_summary(facts: LayoutFacts) -> dict:
     """Real tokens over the tokens the micro-batches hold: right-padded rows (one sample each,
     or packed) take the longest row of their micro-batch; padding-free holds no padding."""
-    batches = [b for b in facts.micro_batches if b]
-    real = sum(sum(b) for b in batches)
-    held = real if facts.padding_free else sum(len(b) * max(b) for b in batches)
+    real, held = facts.real_tokens, facts.held_tokens
     efficiency = real / held if held else 1.0
     summary = {
         "kind": facts.kind,
-        "micro_batches_per_epoch": len(batches),
-        "rows_per_epoch": sum(len(b) for b in batches),
+        "micro_batches_per_epoch": facts.micro_batches,
+        "rows_per_epoch": facts.rows,
         "real_tokens": real,
         "held_tokens": held,
         "efficiency": round(efficiency, 4),

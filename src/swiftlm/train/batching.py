@@ -16,9 +16,10 @@ list of rows and a row is a list of sample indices (one sample unless packed).
 
 import bisect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 Row = list[int]
@@ -36,6 +37,29 @@ class DataPosition:
 
     epoch: int = 0
     micro_batch: int = 0
+
+
+def micro_batch_units(plan: "BatchPlan") -> int:
+    """What one global micro-batch of `plan` holds, in the unit that stays the same when the
+    data-parallel size changes: rows (fixed size, packed rows: an epoch is one permutation of
+    the rows, cut into global micro-batches of batch_size x dp_size), or rank micro-batches
+    (a token budget: the epoch's budget micro-batches, taken dp_size at a time)."""
+    return plan.dp_size if plan.max_tokens else plan.batch_size * plan.dp_size
+
+
+def convert_position(position: DataPosition, saved_units: int, units: int) -> DataPosition:
+    """`position`, saved when a global micro-batch held `saved_units` (`micro_batch_units`),
+    as the index of the same place in the epoch when it holds `units`: 3 micro-batches of
+    2 ranks x 2 rows are 12 rows, 6 micro-batches on one rank. A position that falls inside a
+    micro-batch of the new size cannot be continued exactly: ValueError."""
+    consumed = position.micro_batch * saved_units
+    if consumed % units:
+        raise ValueError(
+            f"micro-batch {position.micro_batch} of epoch {position.epoch} ({consumed} rows or "
+            f"micro-batches of {saved_units} per global micro-batch) is not a whole number of "
+            f"global micro-batches of {units}"
+        )
+    return DataPosition(position.epoch, consumed // units)
 
 
 def pack_best_fit_decreasing(lengths: list[int], capacity: int) -> list[Row]:
@@ -89,9 +113,12 @@ class BatchPlan:
             self._last_epoch[:] = [epoch, self._plan_epoch(epoch)]
         return self._last_epoch[1]
 
-    def _plan_epoch(self, epoch: int) -> list[GlobalBatch]:
-        rows = self.rows
+    def _plan_epoch(self, epoch: int) -> Sequence[GlobalBatch]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        if self.packs is None and not self.max_tokens:  # one sample per row: cut lazily
+            order = torch.randperm(len(self.lengths), generator=generator).numpy()
+            return FixedSizeEpoch(order, self.batch_size, self.dp_size)
+        rows = self.rows
         order = torch.randperm(len(rows), generator=generator).tolist()
         if self.max_tokens:
             rank_batches = self._budget_batches([rows[i] for i in order], generator)
@@ -131,6 +158,60 @@ class BatchPlan:
                 batches.append(current)
         order = torch.randperm(len(batches), generator=generator).tolist()
         return [batches[i] for i in order]
+
+
+class FixedSizeEpoch(Sequence):
+    """The global micro-batches of a fixed-size epoch, built when asked for: an epoch of
+    millions of samples (pre-training chunks) is one permutation array, not millions of
+    lists, so planning it and resuming in the middle of it take milliseconds."""
+
+    def __init__(self, order: np.ndarray, batch_size: int, dp_size: int):
+        self.order, self.batch_size, self.dp_size = order, batch_size, dp_size
+        self.per_global = batch_size * dp_size
+
+    def __len__(self) -> int:
+        return -(-len(self.order) // self.per_global)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        start = (index % len(self)) * self.per_global
+        rows = [[i] for i in self.order[start : start + self.per_global].tolist()]
+        b = self.batch_size  # rank r takes rows [r*b, (r+1)*b); a short last batch leaves
+        return [rows[r * b : (r + 1) * b] for r in range(self.dp_size)]  # late ranks empty
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+
+@dataclass(frozen=True)
+class EpochTotals:
+    """An epoch's rank micro-batches as totals: what the log line and data health report."""
+
+    micro_batches: int
+    rows: int
+    real_tokens: int  # tokens of the samples
+    held_tokens: int  # what the micro-batches hold: padded to their longest row (or real)
+
+
+def epoch_totals(plan: "BatchPlan", epoch: int = 0) -> EpochTotals:
+    """The non-empty rank micro-batches of `epoch`, counted; vectorized for fixed size."""
+    batches = plan.epoch_batches(epoch)
+    if isinstance(batches, FixedSizeEpoch):
+        lengths = np.asarray(plan.lengths, dtype=np.int64)[batches.order]
+        size, whole = plan.batch_size, len(lengths) // plan.batch_size
+        longest = lengths[: whole * size].reshape(whole, size).max(axis=1).sum() * size
+        tail = lengths[whole * size :]
+        held = int(longest) + (len(tail) * int(tail.max()) if len(tail) else 0)
+        micro = whole + (1 if len(tail) else 0)
+        real = int(lengths.sum())
+        return EpochTotals(micro, len(lengths), real, real if plan.padding_free else held)
+    micro = [[plan.row_length(r) for r in b] for g in batches for b in g if b]
+    real = sum(sum(b) for b in micro)
+    held = real if plan.padding_free else sum(len(b) * max(b) for b in micro)
+    return EpochTotals(len(micro), sum(len(b) for b in micro), real, held)
 
 
 def simple_plan(num_samples: int, batch_size: int, seed: int) -> BatchPlan:
@@ -203,18 +284,14 @@ def build_batch_plan(
 
 def describe_plan(plan: BatchPlan, pack_to: int) -> str:
     """One log line: how full the rows are and how much of a micro-batch is padding."""
-    batches = [b for g in plan.epoch_batches(0) for b in g if b]
-    tokens = sum(plan.lengths)
-    if plan.padding_free:
-        computed = tokens
-    else:
-        computed = sum(len(b) * max(plan.row_length(r) for r in b) for b in batches)
-    parts = [f"{len(batches)} micro-batches per epoch"]
+    totals = epoch_totals(plan)
+    parts = [f"{totals.micro_batches} micro-batches per epoch"]
     if plan.packs is not None:
-        fill = tokens / (len(plan.packs) * pack_to)
+        fill = totals.real_tokens / (len(plan.packs) * pack_to)
         parts.append(
             f"{len(plan.lengths)} samples packed into {len(plan.packs)} rows "
             f"({100 * fill:.1f}% full)"
         )
-    parts.append(f"padding {100 * (1 - tokens / computed):.1f}% of computed tokens")
+    padding = 1 - totals.real_tokens / totals.held_tokens
+    parts.append(f"padding {100 * padding:.1f}% of computed tokens")
     return "batches: " + ", ".join(parts)
