@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swiftlm.config.sections import DistArguments
+from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed import compression as gc
 from swiftlm.errors import ConfigError
 

@@ -1,6 +1,7 @@
 """Command configs, each a composition of typed sections.
 
-- `sections.py` (training, model, data, quantization) and `sections_infer.py` (generation,
+- `sections.py` (training, model, data, quantization), `sections_dist.py` (processes,
+  nodes, parallel strategies) and `sections_infer.py` (generation,
   inference, export), `sections_serve.py` (deploy) and `sections_rlhf.py` (rlhf): the sections; each checks its own fields (`checks.py`) when built;
 - `commands.py`: the configs of `swiftlm sft/pt`, `rlhf`, `infer`, `export` and `deploy`, and the flags each
   command leaves out (`UNUSED_FLAGS`);
@@ -22,13 +23,13 @@ from swiftlm.config.commands import (
 from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
     DataArguments,
-    DistArguments,
     ModelArguments,
     OutputArguments,
     QuantArguments,
     TrainArguments,
     TunerArguments,
 )
+from swiftlm.config.sections_dist import DistArguments
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
 from swiftlm.config.sections_rlhf import RLHFArguments
 from swiftlm.config.sections_serve import DeployArguments

@@ -4,13 +4,13 @@ from dataclasses import dataclass, field
 
 from swiftlm.config.sections import (
     DataArguments,
-    DistArguments,
     ModelArguments,
     OutputArguments,
     QuantArguments,
     TrainArguments,
     TunerArguments,
 )
+from swiftlm.config.sections_dist import DistArguments
 from swiftlm.config.sections_eval import EvalArguments, TrainEvalArguments
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
 from swiftlm.config.sections_monitor import MonitorArguments
@@ -97,13 +97,17 @@ _SFT_ONLY = frozenset({"system", "loss_scope", "truncation_strategy", "model_nam
 _VISION_TRAINING = frozenset(
     {"max_pixels", "freeze_vit", "freeze_aligner", "freeze_llm", "dataset_num_proc"}
 )
+# --streaming reads pre-training text while training (sft and rlhf refuse it: not their flag).
+_PT_ONLY = frozenset({"streaming", "shuffle_buffer_size"})
 UNUSED_FLAGS: dict[str, frozenset[str]] = {
-    "sft": _EXPORT_ONLY,
+    "sft": _EXPORT_ONLY | _PT_ONLY,
     # Pre-training reads plain text cut into --max_length chunks: no chat, no truncation.
-    "pt": _EXPORT_ONLY | _SFT_ONLY | _VISION_TRAINING,
+    # --dataset_num_proc: the processes that tokenize local text into token shards.
+    "pt": _EXPORT_ONLY | _SFT_ONLY | (_VISION_TRAINING - {"dataset_num_proc"}),
     # The loss is on each pair's last answer; there is no self-cognition data to fill in.
     # Pairs are preprocessed in the main process (--dataset_num_proc is sft's).
     "rlhf": _EXPORT_ONLY
+    | _PT_ONLY
     | frozenset({"loss_scope", "model_name", "model_author", "dataset_num_proc"}),
     # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
     "infer": frozenset(
@@ -115,6 +119,8 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "truncation_strategy",
             "loss_scope",
             "load_from_cache_file",
+            "streaming",
+            "shuffle_buffer_size",
         }
     ),
     # --dataset is calibration data for gptq/awq, rendered like training with every token kept.
@@ -129,6 +135,8 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "result_path",
             "max_batch_size",
             "stream",
+            "streaming",
+            "shuffle_buffer_size",
             "seed",
             "task",
             "max_pixels",
@@ -151,6 +159,8 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "result_path",
             "max_batch_size",
             "stream",
+            "streaming",
+            "shuffle_buffer_size",
             "task",  # a reward model is served for scoring (/v1/score), found from its files
             "images",  # requests bring their images as image_url parts
         }
@@ -170,6 +180,8 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
             "load_from_cache_file",
             "result_path",
             "stream",
+            "streaming",
+            "shuffle_buffer_size",
             "task",
             "max_pixels",
             "images",

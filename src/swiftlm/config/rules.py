@@ -15,7 +15,9 @@ from swiftlm.config.rules_export import (
     EXPORT_RULES,
 )
 from swiftlm.config.rules_run_dir import RUN_DIR_RULES
-from swiftlm.config.sections import AUTO_BATCH_SIZE, DistArguments
+from swiftlm.config.rules_streaming import STREAMING_RULES
+from swiftlm.config.sections import AUTO_BATCH_SIZE
+from swiftlm.config.sections_dist import DistArguments, node_range
 from swiftlm.errors import ConfigError
 
 
@@ -23,7 +25,8 @@ def failures(cfg: Any, facts: Facts | None = None) -> list[tuple[str, str]]:
     """(rule name, message) of every rule of `cfg`'s command that the flags break, in order.
     `facts` default to the world the flags ask for (--nproc_per_node x --nnodes), no method."""
     dist = getattr(cfg, "dist", None)
-    facts = facts or Facts(world_size=dist.nproc_per_node * dist.nnodes if dist else 1)
+    most = node_range(dist.nnodes)[1] if dist else 1
+    facts = facts or Facts(world_size=dist.nproc_per_node * most if dist else 1)
     rules = next(RULES[cls] for cls in type(cfg).__mro__ if cls in RULES)  # rlhf: training's
     broken = ((rule.name, rule.failure(cfg, facts)) for rule in rules)
     return [(name, message) for name, message in broken if message]
@@ -35,6 +38,41 @@ def check(cfg: Any, facts: Facts | None = None) -> None:
     if broken:
         raise ConfigError(broken[0][1])
 
+
+# ---- training: checkpoint tiers (checkpoint/tiers.py) ---------------------------------------
+TIER_RULES = (
+    Rule(
+        "local_save_dir_needs_steps",
+        lambda c, f: c.output.local_save_dir is not None and not c.output.local_save_steps,
+        "--local_save_dir {local_save_dir} is only used with --local_save_steps N (how "
+        "often to save there); add it or drop --local_save_dir",
+    ),
+    Rule(
+        "local_tier_saves_between",
+        lambda c, f: (
+            bool(c.output.local_save_steps) and c.output.local_save_steps % c.output.save_steps == 0
+        ),
+        "--local_save_steps {local_save_steps} is a multiple of --save_steps {save_steps}: "
+        "every such step is saved to the run directory, so the local tier would stay empty; "
+        "give a smaller --local_save_steps (e.g. {save_steps} / 5)",
+    ),
+    Rule(
+        "local_tier_one_node",
+        lambda c, f: bool(c.output.local_save_steps) and node_range(c.dist.nnodes)[1] > 1,
+        "--local_save_steps is available on one node only (each node's local storage would "
+        "hold part of a checkpoint); drop it, or use --save_steps to shared storage",
+    ),
+    Rule(
+        "mirror_options_need_mirror",
+        lambda c, f: (
+            c.output.checkpoint_mirror_options is not None
+            and not c.output.checkpoint_mirror
+            and "://" not in (c.output.resume_from_checkpoint or "")
+        ),
+        "--checkpoint_mirror_options is only used with --checkpoint_mirror URL (or a "
+        "--resume_from_checkpoint URL); add it or drop the options",
+    ),
+)
 
 # ---- training: data, steps, the method, the run directory -----------------------------------
 
@@ -74,6 +112,7 @@ TRAIN_RULES = (
         lambda c, f: c.output.resume_from_checkpoint == "auto" and c.output.output_dir is None,
         "--resume_from_checkpoint auto needs the --output_dir of the run",
     ),
+    *TIER_RULES,
 )
 
 # ---- training: pipeline parallel --------------------------------------------------------------
@@ -144,8 +183,30 @@ def _engine_besides_ddp(d: DistArguments) -> str | None:
 ENGINE_RULES = (
     Rule(
         "node_rank_below_nnodes",
-        lambda c, f: c.dist.node_rank >= c.dist.nnodes,
+        lambda c, f: c.dist.node_rank >= node_range(c.dist.nnodes)[1],
         "--node_rank {node_rank} must be below --nnodes {nnodes} (ranks 0 .. nnodes-1)",
+    ),
+    Rule(
+        "elastic_needs_output_dir",
+        lambda c, f: c.dist.elastic and c.output.output_dir is None,
+        "--nnodes {nnodes}: an elastic job needs --output_dir, the same on every node: the "
+        "workers of every membership change resume from its newest checkpoint",
+    ),
+    Rule(
+        "elastic_keeps_its_run",
+        lambda c, f: c.dist.elastic and (c.output.add_version or c.output.overwrite_output_dir),
+        "--nnodes {nnodes}: the workers of an elastic job restart with the same command line "
+        "at every membership change and continue the run in --output_dir {output_dir}; drop "
+        "--add_version / --overwrite_output_dir (pass a new --output_dir, or delete the old "
+        "run yourself)",
+    ),
+    Rule(
+        "elastic_resumes_its_run",
+        lambda c, f: c.dist.elastic and c.output.resume_from_checkpoint not in (None, "auto"),
+        "--nnodes {nnodes}: the workers of an elastic job resume from the newest checkpoint in "
+        "--output_dir {output_dir} at every membership change, not from "
+        "--resume_from_checkpoint {resume_from_checkpoint}; copy that checkpoint into "
+        "{output_dir}/checkpoints/ and pass --resume_from_checkpoint auto",
     ),
     Rule(
         "deepspeed_alone",
@@ -200,6 +261,21 @@ ENGINE_RULES = (
             f"--grad_compression {c.dist.grad_compression} compresses DDP's all-reduce; "
             f"{_engine_besides_ddp(c.dist)} does not use it: drop the flag or use DDP"
         ),
+    ),
+    Rule(
+        "incremental_checkpoints_need_ddp",
+        lambda c, f: c.dist.incremental_checkpoints and _engine_besides_ddp(c.dist) is not None,
+        lambda c, f: (
+            "--incremental_checkpoints stores one process's or DDP's full tensors as blocks; "
+            f"{_engine_besides_ddp(c.dist)} writes its own checkpoint format (sharded or per "
+            "stage): drop --incremental_checkpoints or use one process or DDP"
+        ),
+    ),
+    Rule(
+        "freeze_parameters_need_full",
+        lambda c, f: bool(c.tuner.freeze_parameters) and c.tuner.train_type != "full",
+        "--freeze_parameters freezes parts of a full fine-tuning run (--train_type full); with "
+        "--train_type {train_type} only the adapters train already: drop --freeze_parameters",
     ),
     Rule(
         "deepspeed_steps_itself",
@@ -321,7 +397,8 @@ RULES: dict[type, tuple[Rule, ...]] = {
     + PIPELINE_RULES
     + ENGINE_RULES
     + QLORA_RULES
-    + TRAIN_EVAL_RULES,
+    + TRAIN_EVAL_RULES
+    + STREAMING_RULES,
     InferConfig: INFER_RULES,
     EvalConfig: EVAL_RULES,
     ExportConfig: EXPORT_RULES,

@@ -16,13 +16,20 @@ from swiftlm.config.checks import above, at_least, check_fields, custom, within
 
 # `--per_device_train_batch_size auto` is stored as this value until the model has loaded.
 AUTO_BATCH_SIZE = 0
-# What `--fsdp` accepts (ms-swift's spellings of FSDP2's full sharding).
-FSDP_SPELLINGS = ("fsdp2", "full_shard", "shard")
 # `--report_to` values: the loggers swiftlm writes besides metrics.jsonl.
 LOGGERS = ("tensorboard", "wandb", "swanlab")
 LOGGER_CHOICES = (
     "the loggers are tensorboard, wandb and swanlab (any of them), or none alone for none"
 )
+
+
+def _json_object(text: str | None) -> bool:
+    import json
+
+    try:
+        return text is None or isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _known_loggers(names: list[str]) -> bool:
@@ -98,9 +105,22 @@ class DataArguments:
         default=0,
     )
     dataset_num_proc: int = doc(
-        "Vision-language SFT: processes that decode and preprocess images on a cache miss "
-        "(spawned, each with the processor); 1 preprocesses in the main process.",
+        "SFT: processes that tokenize conversations (text models) or decode and preprocess "
+        "images (vision-language models) on a cache miss (spawned, each with the tokenizer "
+        "or processor); pt: processes that tokenize local .jsonl/.txt files into token shards "
+        "(spawned); 1 encodes in the main process.",
         default=1,
+    )
+    streaming: bool = doc(
+        "pt: read and tokenize local .jsonl/.txt data while training, in file order (see "
+        "--shuffle_buffer_size), never cached; a resume seeks to the saved byte offset. Needs "
+        "--max_steps.",
+        default=False,
+    )
+    shuffle_buffer_size: int = doc(
+        "pt --streaming true: shuffle the chunks within consecutive windows of this many "
+        "(seeded by --data_seed; a resume re-reads at most one window); 0 keeps file order.",
+        default=0,
     )
 
     def __post_init__(self):
@@ -110,6 +130,7 @@ class DataArguments:
             max_length=at_least(2),
             max_pixels=at_least(0),
             dataset_num_proc=at_least(1),
+            shuffle_buffer_size=at_least(0),
         )
 
 
@@ -140,6 +161,11 @@ class TunerArguments:
         "and the language model) frozen; otherwise it trains in full, also with LoRA.",
         default=True,
     )
+    freeze_parameters: list[str] = doc(
+        "--train_type full: parameter name prefixes to keep frozen (e.g. model.embed_tokens); "
+        "each must match at least one parameter.",
+        default_factory=list,
+    )
     freeze_llm: bool = doc(
         "Vision-language models: keep the language model frozen (e.g. to train the aligner "
         "first, as LLaVA does).",
@@ -165,7 +191,11 @@ class TrainArguments:
         default=1,
     )
     per_device_eval_batch_size: int = doc("Samples per evaluation batch.", default=1)
-    gradient_accumulation_steps: int = doc("Micro-batches per optimizer step.", default=1)
+    gradient_accumulation_steps: int = doc(
+        "Micro-batches per optimizer step (an elastic job, --nnodes MIN:MAX: at MAX nodes; on "
+        "fewer it grows to keep the global batch).",
+        default=1,
+    )
     learning_rate: float | None = doc(
         "Peak learning rate. Default: 1e-4 for LoRA/DoRA, 1e-5 for full.", default=None
     )
@@ -254,7 +284,34 @@ class OutputArguments:
         "Evaluate every N optimizer steps (and at the end). Default: --save_steps.", default=None
     )
     resume_from_checkpoint: str | None = doc(
-        "Resume from a checkpoint folder, or `auto` for the newest complete one in --output_dir.",
+        "Resume from a checkpoint folder, a mirrored one's URL (<mirror>/checkpoints/step-N), "
+        "or `auto` for the newest complete one across the run directory, the local tier "
+        "(--local_save_steps) and the mirror (--checkpoint_mirror).",
+        default=None,
+    )
+    local_save_steps: int | None = doc(
+        "Also save a checkpoint every N steps to fast local storage (--local_save_dir); a step "
+        "due for --save_steps as well goes to the run directory only.",
+        default=None,
+    )
+    local_save_dir: str | None = doc(
+        "Folder of the local tier. Default: /dev/shm/swiftlm/<run name>-<hash of its path>. "
+        "Checkpoints there are per machine: one node only.",
+        default=None,
+    )
+    local_save_total_limit: int = doc("Keep at most N checkpoints in the local tier.", default=2)
+    checkpoint_mirror: str | None = doc(
+        "Copy every complete checkpoint of the run directory, in the background, to this "
+        "fsspec URL (s3://bucket/prefix, gs://..., file:///path; the cloud extra), COMPLETE "
+        "last; it keeps --save_total_limit too. A copy that fails is a warning and is retried "
+        "after the next checkpoint (training goes on); a URL that cannot be written at startup "
+        "is an error. Credentials and endpoint: the store's environment variables "
+        "(AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) or --checkpoint_mirror_options.",
+        default=None,
+    )
+    checkpoint_mirror_options: str | None = doc(
+        "fsspec storage options of --checkpoint_mirror as a JSON object, e.g. "
+        '\'{"endpoint_url": "http://127.0.0.1:9000"}\' for an S3-compatible store.',
         default=None,
     )
     report_to: list[str] = doc(
@@ -270,95 +327,15 @@ class OutputArguments:
             save_steps=at_least(1),
             eval_steps=at_least(1, note="or unset: every --save_steps"),
             report_to=custom(_known_loggers, "--{flag} {value}: " + LOGGER_CHOICES),
-        )
-
-
-@dataclass
-class DistArguments:
-    nproc_per_node: int = doc(
-        "Processes on this node; > 1 starts the job under torchrun (one process per GPU, or "
-        "per CPU group with the gloo backend).",
-        default=1,
-    )
-    nnodes: int = doc("Nodes in the job.", default=1)
-    node_rank: int = doc("Rank of this node, 0 .. nnodes-1.", default=0)
-    master_addr: str = doc("Address of the rank-0 node.", default="127.0.0.1")
-    master_port: int = doc("Port of the rank-0 node.", default=29500)
-    strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed", "tp", "pp"] = doc(
-        "How the model is spread over processes. auto: single for one process, ddp otherwise; "
-        "fsdp2 with --fsdp, deepspeed with --deepspeed, tp with --tensor_parallel_size > 1.",
-        default="auto",
-    )
-    tensor_parallel_size: int = doc(
-        "Split each decoder block's projections (and their LoRA adapters) over this many "
-        "processes (DTensor tensor parallel). The other processes form data-parallel groups "
-        "sharded by FSDP2 on the same mesh.",
-        default=1,
-    )
-    pipeline_parallel_size: int = doc(
-        "Split the decoder blocks into this many pipeline stages (1F1B schedule over the "
-        "--gradient_accumulation_steps micro-batches; full or LoRA). The other processes form "
-        "data-parallel groups: DDP, or FSDP2 with --fsdp fsdp2.",
-        default=1,
-    )
-    deepspeed: str | None = doc(
-        "DeepSpeed ZeRO: zero1, zero2, zero3, zero2_offload, zero3_offload, or a JSON config "
-        "path (`auto` values are filled from the swiftlm flags).",
-        default=None,
-    )
-    fsdp: str | None = doc(
-        "ms-swift spelling: `--fsdp fsdp2` (or `full_shard`) selects --strategy fsdp2.",
-        default=None,
-    )
-    fsdp_offload: bool = doc(
-        "FSDP2 on GPUs: keep the sharded weights, gradients and optimizer states in CPU memory "
-        "(CPUOffloadPolicy); the optimizer step then runs on the CPU.",
-        default=False,
-    )
-    max_restarts: int = doc(
-        "Restart failed workers up to N times; each restart resumes from the newest complete "
-        "checkpoint.",
-        default=0,
-    )
-    heartbeat_timeout: float = doc(
-        "Seconds a rank may go without progress (stuck in a collective, or dead) before every "
-        "rank stops with an error naming it. 0 disables.",
-        default=600.0,
-    )
-    dist_timeout: float = doc(
-        "Timeout of every collective (process-group timeout), seconds.", default=1800.0
-    )
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = doc(
-        "DDP gradient compression before the all-reduce: half precision, PowerSGD low-rank, or "
-        "top-k sparsification with error feedback.",
-        default="none",
-    )
-    topk_ratio: float = doc("Share of gradient entries top-k compression sends.", default=0.1)
-    async_save: bool = doc(
-        "FSDP2: write sharded checkpoints in the background while training continues.",
-        default=False,
-    )
-
-    def __post_init__(self):
-        check_fields(
-            self,
-            nproc_per_node=at_least(1),
-            nnodes=at_least(1),
-            node_rank=at_least(0),
-            master_port=within(0, 65535),
-            tensor_parallel_size=at_least(1, note="1: off"),
-            pipeline_parallel_size=at_least(1, note="1: off"),
-            fsdp=custom(
-                lambda v: v in FSDP_SPELLINGS,
-                "--{flag} {value}: use fsdp2 (FSDP2, fully_shard per layer)",
+            local_save_steps=at_least(1, note="or unset: no local tier"),
+            local_save_total_limit=at_least(1),
+            checkpoint_mirror=custom(
+                lambda url: url is None or "://" in url,
+                "--{flag} {value}: give a URL with its scheme (s3://bucket/prefix, gs://..., "
+                "file:///path)",
             ),
-            max_restarts=at_least(0),
-            heartbeat_timeout=at_least(0, note="0 disables it"),
-            dist_timeout=above(0),
-            topk_ratio=custom(
-                lambda v: 0 < v <= 1,
-                "--{flag} {value}: must be in (0, 1], the fraction of gradient entries each rank "
-                "sends (e.g. 0.1)",
+            checkpoint_mirror_options=custom(
+                _json_object, "--{flag} {value}: give the storage options as a JSON object"
             ),
         )
 
