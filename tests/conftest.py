@@ -226,3 +226,29 @@ def tiny_sft(model_dir: Path, data: Path, out: Path, **flags) -> list:
         values = value if isinstance(value, (list, tuple)) else [value]
         argv += [f"--{name}", *map(str, values)]
     return argv
+
+
+def text_corpus(path: Path, documents: int = 200, seed: int = 5) -> Path:
+    """A JSONL pre-training corpus of seeded word salad (some non-ASCII), one document a row."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "stream", "token", "résumé", "東京"]
+    with path.open("w") as f:
+        for i in range(documents):
+            text = f"doc {i}: " + " ".join(rng.choices(words, k=rng.randint(2, 60)))
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    return path
+
+
+def run_pt(model_dir, data, out, **flags) -> list:
+    """`swiftlm pt` on the tiny model (6 steps of 2 chunks of 48 tokens, fp32); its losses."""
+    from swiftlm.cli.main import main
+
+    defaults = dict(torch_dtype="float32", report_to="none", logging_steps=1, max_length=48)
+    defaults.update(per_device_train_batch_size=2, max_steps=6, learning_rate=5e-3, seed=7)
+    argv = ["pt", "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out)]
+    for name, value in {**defaults, **flags}.items():
+        argv += [f"--{name}", str(value)]
+    assert main(argv) == 0
+    return logged(out)

@@ -3,47 +3,26 @@ order, and a resumed streaming run equals an uninterrupted one, reading from the
 offset on (never the documents it already trained on)."""
 
 import json
-import random
 
 import pytest
 
-from conftest import logged, max_weight_difference, stopped_at
+from conftest import max_weight_difference, run_pt, stopped_at, text_corpus
 from swiftlm.cli.main import main
 from swiftlm.data.streaming import DocumentReader, StreamPosition
 from swiftlm.train import prepare, run
 
 
-def _corpus(path, documents=200):
-    rng = random.Random(5)
-    words = ["alpha", "beta", "gamma", "delta", "stream", "token", "résumé", "東京"]
-    with path.open("w") as f:
-        for i in range(documents):
-            text = f"doc {i}: " + " ".join(rng.choices(words, k=rng.randint(2, 60)))
-            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-    return path
-
-
-def _pt(model_dir, data, out, **flags):
-    defaults = dict(torch_dtype="float32", report_to="none", logging_steps=1, max_length=48)
-    defaults.update(per_device_train_batch_size=2, max_steps=6, learning_rate=5e-3, seed=7)
-    argv = ["pt", "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out)]
-    for name, value in {**defaults, **flags}.items():
-        argv += [f"--{name}", str(value)]
-    assert main(argv) == 0
-    return logged(out)
-
-
 def test_streaming_trains_on_the_in_memory_chunks_in_file_order(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    data = _corpus(tmp_path / "docs.jsonl")
-    streamed = _pt(tiny_model_dir, data, tmp_path / "streamed", streaming="true")
+    data = text_corpus(tmp_path / "docs.jsonl", documents=200, seed=5)
+    streamed = run_pt(tiny_model_dir, data, tmp_path / "streamed", streaming="true")
     # The in-memory encoding (encode_pretraining), its chunks taken in order, not shuffled.
     monkeypatch.setattr("swiftlm.methods.pt.PT.sharded_data", lambda self, cfg, ctx, log: None)
     monkeypatch.setattr(
         run, "make_batch_plan", lambda cfg, lengths, dp, per=1: prepare.StreamPlan(lengths, 2, dp)
     )
-    in_order = _pt(tiny_model_dir, data, tmp_path / "whole")
+    in_order = run_pt(tiny_model_dir, data, tmp_path / "whole")
     assert len(streamed) == 6 and streamed == in_order
 
 
@@ -51,10 +30,10 @@ def test_streaming_trains_on_the_in_memory_chunks_in_file_order(
 def test_a_resumed_stream_equals_an_uninterrupted_run_and_skips_what_it_read(
     tiny_model_dir, tmp_path, monkeypatch, shuffle
 ):
-    data = _corpus(tmp_path / "docs.jsonl")
+    data = text_corpus(tmp_path / "docs.jsonl", documents=200, seed=5)
     flags = dict(streaming="true", max_steps=10, save_steps=6, gradient_accumulation_steps=2)
     flags["shuffle_buffer_size"] = shuffle
-    full = _pt(tiny_model_dir, data, tmp_path / "full", **flags)
+    full = run_pt(tiny_model_dir, data, tmp_path / "full", **flags)
     saved = json.loads((tmp_path / "full/checkpoints/step-6/trainer_state.json").read_text())
     position = StreamPosition.from_json(saved["stream"])
     assert position.offset > 0  # 6 steps x 4 chunks of 48 tokens are past the first lines
@@ -64,7 +43,7 @@ def test_a_resumed_stream_equals_an_uninterrupted_run_and_skips_what_it_read(
     monkeypatch.setattr(
         DocumentReader, "_file_documents", lambda self, at: seeks.append(at) or real(self, at)
     )
-    resumed = _pt(tiny_model_dir, data, run_dir, resume_from_checkpoint="auto", **flags)
+    resumed = run_pt(tiny_model_dir, data, run_dir, resume_from_checkpoint="auto", **flags)
     assert resumed == pytest.approx(full, abs=1e-6)
     final = "final/adapter_model.safetensors"
     assert max_weight_difference(tmp_path / "full" / final, run_dir / final) <= 1e-6

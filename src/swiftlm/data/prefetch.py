@@ -14,6 +14,18 @@ from collections.abc import Callable, Iterator
 _DONE = object()
 
 
+def put_unless_stopped(into: queue.Queue, entry, stop: threading.Event) -> bool:
+    """Queue one entry unless `stop` is set (then False): a producer thread waits in short
+    slices, so it notices a consumer that stopped reading instead of blocking forever."""
+    while not stop.is_set():
+        try:
+            into.put(entry, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class Prefetcher:
     """Iterate `prepare(item)` for each item of `items`, `depth` items ahead, in a daemon
     thread. `close()` stops the thread (the loop calls it when training ends)."""
@@ -27,14 +39,7 @@ class Prefetcher:
         self._thread.start()
 
     def _put(self, entry) -> bool:
-        """Queue one entry unless closed (then False): waits in short slices to notice close."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self._queue, entry, self._stop)
 
     def _fill(self, items: Iterator, prepare: Callable) -> None:
         try:

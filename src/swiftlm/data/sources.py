@@ -185,7 +185,7 @@ def _parse_json_line(line: str, source: str, number: int) -> RawRow:
 
 
 def _read_json(path: Path, source: str) -> Iterator[RawRow]:
-    text = _read_text(path, source)
+    text = decode_text_file(path.read_bytes(), source)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -247,7 +247,7 @@ def _skip_space(text: str, index: int) -> int:
 
 
 def _read_csv(path: Path, source: str) -> Iterator[RawRow]:
-    reader = csv.reader(io.StringIO(_read_text(path, source), newline=""))
+    reader = csv.reader(io.StringIO(decode_text_file(path.read_bytes(), source), newline=""))
     try:
         header = next(reader)
     except StopIteration:
@@ -282,16 +282,16 @@ def _read_parquet(path: Path, source: str) -> Iterator[RawRow]:
 
 
 def _read_txt(path: Path, source: str) -> Iterator[RawRow]:
-    yield RawRow(source, 1, {"text": _read_text(path, source)})
+    yield RawRow(source, 1, {"text": decode_text_file(path.read_bytes(), source)})
 
 
-def _read_text(path: Path, source: str) -> str:
-    data = path.read_bytes()
+def decode_text_file(data: bytes, source: str) -> str:
+    """A .txt file's bytes as text (a BOM dropped); not UTF-8 is a DataError at its line."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise DataError(f"{source}:{line}: not UTF-8 text ({e.reason})") from e
+        raise DataError(f"{source}:{line}: not UTF-8 text ({e.reason})") from None
 
 
 def _read_hub(spec: str) -> Iterator[RawRow]:

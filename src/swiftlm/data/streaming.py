@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from swiftlm.data.formats import RowError, text_sample
+from swiftlm.data.prefetch import put_unless_stopped
+from swiftlm.data.sources import decode_text_file
 from swiftlm.data.token_pieces import backend_encoder, row_text
 from swiftlm.errors import DataError
 
@@ -145,11 +147,7 @@ class DocumentReader:
     def _whole_text(self, data: bytes, at: StreamPosition, source: str) -> str | None:
         """A .txt file's text, None when (with --skip_bad_rows) it has none."""
         self.bytes_read += len(data)
-        try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            line = data[: e.start].count(b"\n") + 1
-            raise DataError(f"{source}:{line}: not UTF-8 text ({e.reason}); fix the file") from None
+        text = decode_text_file(data, source)
         try:
             return text_sample({"text": text})["text"]
         except RowError as error:
@@ -364,13 +362,7 @@ class StreamChunks(Sequence):
             window, skip, start = window + 1, 0, after
 
     def _put(self, entry) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self._queue, entry, self._stop)
 
     def close(self) -> None:
         self._stop.set()

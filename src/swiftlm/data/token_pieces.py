@@ -24,8 +24,7 @@ import numpy as np
 
 from swiftlm.data.columns import given
 from swiftlm.data.formats import RowError, columns_read, text_sample
-from swiftlm.data.sources import NOT_AN_OBJECT
-from swiftlm.errors import DataError
+from swiftlm.data.sources import NOT_AN_OBJECT, decode_text_file
 
 PIECE_BYTES = 16 << 20  # text per piece: many pieces per worker even out their speeds
 DOCUMENTS_PER_BATCH = 1000  # documents tokenized in one backend call
@@ -145,11 +144,7 @@ def _piece_texts(piece: Piece, report: PieceReport):
         data = f.read(piece.end - piece.start)
     if piece.whole_text:
         report.lines = 1
-        try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            line = data[: e.start].count(b"\n") + 1
-            raise DataError(f"{piece.source}:{line}: not UTF-8 text ({e.reason})") from None
+        text = decode_text_file(data, piece.source)
         try:
             yield text_sample({"text": text})["text"]
         except RowError as error:
