@@ -320,10 +320,7 @@ def run_training(job: TrainingJob) -> dict:
     job.observer = observer = Observer(job, num_steps, resume=state.step > 0)
     progress, window = Progress(num_steps, state.step, enabled=main), LogWindow()
     eval_every = out.eval_steps or out.save_steps
-    steps = iterate_steps(job.batch_plan, args.gradient_accumulation_steps, state.position)
-    if getattr(job.train_data, "prefetch", False) and not is_online(job.method):
-        ahead = itertools.islice(steps, num_steps - state.step)  # none past the last step
-        steps = prefetch_steps(ahead, lambda indices: rank_batches(job, indices))
+    steps = step_source(job, state, num_steps)
     started = time.perf_counter() - state.train_seconds
     job.model.train()
     preemption = PreemptionWatch(job.strategy.ctx).install()  # SIGTERM/SIGUSR1: save, stop
@@ -364,16 +361,7 @@ def run_training(job: TrainingJob) -> dict:
                 metrics.log({"step": state.step, **evaluated})
                 progress.write(describe_evaluation(state.step, evaluated))
             state.train_seconds = time.perf_counter() - started
-            tier = loop_state.checkpoint_due(job, state.step, last)  # run dir, local tier, None
-            if tier:
-                with observer.phase("checkpoint"):
-                    loop_state.save(job, optimizer, scheduler, precision.scaler, state, last, tier)
-            saved = tier == loop_state.RUN_TIER  # a local-tier copy may not outlive preemption
-            if not last:  # a signal during the last step: the run ends as planned
-                preemption.stop_if_signalled(
-                    job, state.step, saved,
-                    lambda: loop_state.save(job, optimizer, scheduler, precision.scaler, state),
-                )  # fmt: skip
+            save_due_checkpoint(job, optimizer, scheduler, precision, state, last, preemption)
     finally:
         preemption.restore()
         steps.close()  # the prefetch thread, if any
@@ -385,6 +373,34 @@ def run_training(job: TrainingJob) -> dict:
         if job.evaluator:
             job.evaluator.close()
     return summarize(job, state)
+
+
+def step_source(job: TrainingJob, state, num_steps: int):
+    """The data position's steps; collated ahead by a prefetch thread when the data asks
+    for it (token shards), never past the last step."""
+    steps = iterate_steps(job.batch_plan, job.args.gradient_accumulation_steps, state.position)
+    if not getattr(job.train_data, "prefetch", False) or is_online(job.method):
+        return steps
+    ahead = itertools.islice(steps, num_steps - state.step)
+    return prefetch_steps(ahead, lambda indices: rank_batches(job, indices))
+
+
+def save_due_checkpoint(job, optimizer, scheduler, precision, state, last, preemption) -> None:
+    """The checkpoint this step is due for (run directory or local tier), then a stop if a
+    rank was signalled (SIGTERM/SIGUSR1): that saves to the run directory unless this step
+    just did. A signal during the last step lets the run end as planned."""
+    tier = loop_state.checkpoint_due(job, state.step, last)  # run dir, local tier, None
+    if tier:
+        with job.observer.phase("checkpoint"):
+            loop_state.save(job, optimizer, scheduler, precision.scaler, state, last, tier)
+    if last:
+        return
+    saved = tier == loop_state.RUN_TIER  # a local-tier copy may not outlive preemption
+
+    def save() -> None:
+        loop_state.save(job, optimizer, scheduler, precision.scaler, state)
+
+    preemption.stop_if_signalled(job, state.step, saved, save)
 
 
 def log_row(job: TrainingJob, state, window: LogWindow, per_epoch: int, lr, grad_norm) -> dict:
