@@ -6,10 +6,11 @@ a word. Here a list flag's repetitions are joined (as in ms-swift: both mean two
 scalar flag repeated with the same value is kept once, and with different values is an error.
 """
 
+from swiftlm.config.ms_swift import RENAMED
 from swiftlm.errors import ConfigError
 
 # Names that ms-swift users type for the same knob (ms-swift renamed several between versions).
-ALIASES = {"tuner_type": "train_type", "sft_type": "train_type", "model_id_or_path": "model"}
+ALIASES = RENAMED
 
 
 def normalize_flag(arg: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import yaml
 
 from swiftlm.config.argv import ALIASES, auto_to_number, merge_repeated_flags, normalize_flag
+from swiftlm.config.ms_swift import print_notes, translate_argv, translate_mapping, unsupported_hint
 from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
 
@@ -83,6 +84,8 @@ def flatten_yaml(
                 put(sub_key, sub_value)
         elif key in owners:
             put(key, value)
+        elif unsupported_hint(key):
+            raise ConfigError(f"{source}: {unsupported_hint(key)}")
         else:
             hint = _nearest(key, sorted(owners) + sorted(sections))
             raise ConfigError(f"{source}: unknown key '{key}'{hint}")
@@ -124,6 +127,8 @@ def load_yaml(
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of flag names to values")
+    data, notes = translate_mapping({ALIASES.get(key, key): value for key, value in data.items()})
+    print_notes(notes, command or path)
     return flatten_yaml(data, config_cls, path, unused, command)
 
 
@@ -199,7 +204,8 @@ def parse_config(
     section rejects (`__post_init__`), an unknown, unused or conflicting flag or key raise
     ConfigError, which the CLI prints as `swiftlm <cmd>: error: ...` with exit code 2 too.
     Rules between flags are checked later, by the command (`rules.check`)."""
-    argv = [normalize_flag(a) for a in argv]
+    argv, notes = translate_argv([normalize_flag(a) for a in argv])
+    print_notes(notes, prog)
     parser = build_parser(config_cls, prog, description, unused)
     yaml_flags: list[str] = []
     if argv and argv[0].endswith((".yaml", ".yml")):
@@ -228,6 +234,9 @@ def _raise_for_leftover(arg: str, config_cls: type, prog: str, unused: frozenset
         name = arg.lstrip("-").split("=")[0]
         if name in unused:
             raise ConfigError(f"--{name} is not used by `{prog}` (see `{prog} --help`)")
+        unsupported = unsupported_hint(name)
+        if unsupported:
+            raise ConfigError(unsupported)
         hint = _nearest(name, sorted(set(flag_owners(config_cls)) - unused))
         raise ConfigError(f"unknown flag --{name}{hint} (see `{prog} --help`)")
     raise ConfigError(

@@ -24,6 +24,8 @@ SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
 BUILTIN_DATASETS = {
     "swiftlm/self-cognition": "self_cognition.jsonl",
+    # ms-swift's name for the same kind of data ({{NAME}}/{{AUTHOR}} from --model_name/_author)
+    "swift/self-cognition": "self_cognition.jsonl",
     "swiftlm/general-qa": "general_qa.jsonl",
     # Preference pairs for swiftlm rlhf and their held-out prompts (scripts/make_preference_data.py)
     "swiftlm/concise-preference": "concise_preference.jsonl",
