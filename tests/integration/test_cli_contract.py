@@ -186,12 +186,16 @@ def test_unused_flags_tables_name_real_flags():
         EvalConfig,
         ExportConfig,
         InferConfig,
+        PlanConfig,
         ReportConfig,
         RLHFConfig,
+        WebConfig,
     )
 
     configs = {
+        "plan": PlanConfig,
         "report": ReportConfig,
+        "web": WebConfig,
         "eval": EvalConfig,
         "sft": TrainConfig,
         "pt": TrainConfig,

@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from swiftlm.config import (
+    UNUSED_FLAGS,
     InferConfig,
+    RLHFConfig,
     TrainConfig,
     load_saved_config,
     parse_config,
@@ -420,3 +422,20 @@ def test_key_in_the_wrong_section_names_its_section(tmp_path):
     path = write_yaml(tmp_path, {"train": {"lora_rank": 4}})
     with pytest.raises(ConfigError, match="'lora_rank' belongs to section 'tuner', not 'train'"):
         parse([str(path)])
+
+
+def test_a_run_config_reads_back_as_the_command_that_wrote_it(tmp_path):
+    """sft's plugin `--loss_type` and rlhf's method `--loss_type` live in different sections:
+    a saved sft run must read back as TrainConfig, an rlhf run as RLHFConfig (infer, deploy,
+    eval and export read runs this way)."""
+    from swiftlm.config.parse import load_run_config
+
+    sft = parse_config(TrainConfig, ["--model", "m", "--dataset", "d.jsonl"], "sft")
+    save_config(sft, tmp_path / "sft.yaml", UNUSED_FLAGS["sft"])
+    assert type(load_run_config(tmp_path / "sft.yaml")) is TrainConfig
+    rlhf = parse_config(
+        RLHFConfig, ["--model", "m", "--dataset", "d.jsonl", "--loss_type", "ipo"], "rlhf"
+    )
+    save_config(rlhf, tmp_path / "rlhf.yaml", UNUSED_FLAGS["rlhf"])
+    loaded = load_run_config(tmp_path / "rlhf.yaml")
+    assert type(loaded) is RLHFConfig and loaded.rlhf.loss_type == "ipo"

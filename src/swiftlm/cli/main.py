@@ -10,6 +10,8 @@ import warnings
 from swiftlm.distributed.failures import failure_dir, report_error, write_failure
 from swiftlm.distributed.launch import launch, wants_launch
 from swiftlm.errors import Preempted, SwiftLMError
+from swiftlm.plugins import load_plugins
+from swiftlm.plugins.loading import plugin_files
 
 # subcommand -> (config class path, module with run(cfg), one-line description). A training
 # command (TrainConfig) is a method of `swiftlm.methods.METHODS`, run as run(cfg, name).
@@ -43,10 +45,21 @@ COMMANDS = {
         "swiftlm.serve.run",
         "Serve a model and its adapters over an OpenAI-compatible HTTP API.",
     ),
+    "plan": (
+        "PlanConfig",
+        "swiftlm.plan.run",
+        "Memory per device and step time of each parallel strategy for a job on given "
+        "devices (e.g. --devices 8xH100), from the model's config; recommends the fastest that fits.",
+    ),
     "report": (
         "ReportConfig",
         "swiftlm.monitor.report",
         "Draw run directories as one offline report.html (several overlay); --serve: live.",
+    ),
+    "web": (
+        "WebConfig",
+        "swiftlm.web.run",
+        "Browser UI: configure, start, stop, resume and watch runs; chat, export, evaluate.",
     ),
 }
 
@@ -139,11 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         from swiftlm.config.parse import parse_config
 
         argv = with_run_dirs(name, with_default_recipe(name, rest))
+        # Before parsing: plugins may add names the flags are checked against.
+        load_plugins(plugin_files(argv))
         config_cls = getattr(config_module, config_name)
         unused = config_module.UNUSED_FLAGS[name]
         cfg = parse_config(config_cls, argv, f"swiftlm {name}", description, unused)
         dist_args = getattr(cfg, "dist", None)
         if dist_args is not None and wants_launch(dist_args):
+            from swiftlm.plan.auto import resolve_auto_strategy  # --strategy auto: plan once
+
+            argv = resolve_auto_strategy(cfg, name, argv)
             return launch(dist_args, name, argv, cfg.output.output_dir)
         quiet_libraries()
         run = importlib.import_module(module_name).run

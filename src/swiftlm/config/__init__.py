@@ -16,9 +16,11 @@ from swiftlm.config.commands import (
     EvalConfig,
     ExportConfig,
     InferConfig,
+    PlanConfig,
     ReportConfig,
     RLHFConfig,
     TrainConfig,
+    WebConfig,
 )
 from swiftlm.config.parse import load_saved_config, parse_config, save_config
 from swiftlm.config.sections import (
@@ -45,6 +47,7 @@ __all__ = [
     "GenerationArguments",
     "InferArguments",
     "InferConfig",
+    "PlanConfig",
     "ReportConfig",
     "ModelArguments",
     "OutputArguments",
@@ -55,6 +58,7 @@ __all__ = [
     "TrainConfig",
     "TunerArguments",
     "UNUSED_FLAGS",
+    "WebConfig",
     "load_saved_config",
     "parse_config",
     "save_config",

@@ -1,6 +1,6 @@
 """Command configs: each is a composition of typed sections (see `sections.py`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from swiftlm.config.sections import (
     DataArguments,
@@ -15,9 +15,12 @@ from swiftlm.config.sections_eval import EvalArguments, TrainEvalArguments
 from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
 from swiftlm.config.sections_monitor import MonitorArguments
 from swiftlm.config.sections_online import GKDArguments, GRPOArguments, settle_online
+from swiftlm.config.sections_plan import PlanArguments
+from swiftlm.config.sections_plugins import PluginArguments, TrainPluginArguments
 from swiftlm.config.sections_report import ReportArguments
 from swiftlm.config.sections_rlhf import RLHFArguments
 from swiftlm.config.sections_serve import DeployArguments
+from swiftlm.config.sections_web import WebArguments
 
 
 @dataclass
@@ -33,6 +36,7 @@ class TrainConfig:
     dist: DistArguments = field(default_factory=DistArguments)
     monitor: MonitorArguments = field(default_factory=MonitorArguments)
     evaluation: TrainEvalArguments = field(default_factory=TrainEvalArguments)
+    plugins: TrainPluginArguments = field(default_factory=TrainPluginArguments)
 
 
 @dataclass
@@ -42,6 +46,8 @@ class RLHFConfig(TrainConfig):
     rlhf: RLHFArguments = field(default_factory=RLHFArguments)
     grpo: GRPOArguments = field(default_factory=GRPOArguments)
     gkd: GKDArguments = field(default_factory=GKDArguments)
+    # rlhf's --loss_type is the method's (rlhf section); plugin losses are sft/pt's.
+    plugins: PluginArguments = field(default_factory=PluginArguments)
 
     def __post_init__(self):
         settle_online(self.rlhf.rlhf_type, self.grpo, self.gkd)
@@ -55,6 +61,7 @@ class InferConfig:
     data: DataArguments = field(default_factory=DataArguments)
     generation: GenerationArguments = field(default_factory=GenerationArguments)
     infer: InferArguments = field(default_factory=InferArguments)
+    plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
 @dataclass
@@ -66,6 +73,7 @@ class EvalConfig:
     generation: GenerationArguments = field(default_factory=GenerationArguments)
     infer: InferArguments = field(default_factory=InferArguments)
     eval: EvalArguments = field(default_factory=EvalArguments)
+    plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
 @dataclass
@@ -77,6 +85,7 @@ class ExportConfig:
     infer: InferArguments = field(default_factory=InferArguments)
     export: ExportArguments = field(default_factory=ExportArguments)
     quant: QuantArguments = field(default_factory=QuantArguments)
+    plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
 @dataclass
@@ -87,6 +96,7 @@ class DeployConfig:
     data: DataArguments = field(default_factory=DataArguments)  # only --system is used
     infer: InferArguments = field(default_factory=InferArguments)
     deploy: DeployArguments = field(default_factory=DeployArguments)
+    plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
 # Flags of a command's config that the command does not use: left out of its parser and
@@ -188,6 +198,29 @@ UNUSED_FLAGS: dict[str, frozenset[str]] = {
         }
     ),
     "report": frozenset(),  # its own section only
+    "web": frozenset(),  # its own section only
+    # The planner reads the job's shape from the training flags; the others do not change it.
+    "plan": (
+        frozenset(
+            f.name
+            for section in (ModelArguments, DataArguments, TunerArguments, TrainArguments)
+            for f in fields(section)
+        )
+        | frozenset(f.name for f in fields(DistArguments))
+    )
+    - {
+        "model",
+        "torch_dtype",
+        "max_length",
+        "train_type",
+        "lora_rank",
+        "target_modules",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "fused_cross_entropy",
+        "nnodes",
+    },
 }
 
 
@@ -196,3 +229,26 @@ class ReportConfig:
     """`swiftlm report`: run directories to draw as one offline page, optionally served live."""
 
     report: ReportArguments = field(default_factory=ReportArguments)
+    plugins: PluginArguments = field(default_factory=PluginArguments)
+
+
+@dataclass
+class WebConfig:
+    """`swiftlm web`: where the browser UI listens, its key, and the folder its runs live in."""
+
+    web: WebArguments = field(default_factory=WebArguments)
+    plugins: PluginArguments = field(default_factory=PluginArguments)
+
+
+@dataclass
+class PlanConfig:
+    """`swiftlm plan`: a training job's shape (the training flags) and the devices to plan for."""
+
+    model: ModelArguments = field(default_factory=ModelArguments)
+    data: DataArguments = field(default_factory=DataArguments)  # --max_length
+    tuner: TunerArguments = field(default_factory=TunerArguments)
+    train: TrainArguments = field(default_factory=TrainArguments)
+    # --nnodes; not named `dist`, which makes a command launch its processes under torchrun
+    nodes: DistArguments = field(default_factory=DistArguments)
+    plan: PlanArguments = field(default_factory=PlanArguments)
+    plugins: PluginArguments = field(default_factory=PluginArguments)

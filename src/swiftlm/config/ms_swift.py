@@ -147,8 +147,8 @@ UNSUPPORTED = {
     "cached_dataset": "swiftlm caches the tokenized data itself (--load_from_cache_file)",
     "interleave_prob": "datasets are concatenated; sample one with `path#N`",
     "strict": "bad rows are always errors; --skip_bad_rows skips them with counts",
-    "template": "swiftlm renders with the tokenizer's own chat template (edit "
-    "tokenizer_config.json's chat_template to change it)",
+    "template": "swiftlm renders with the tokenizer's own chat template; replace it for a "
+    "model type with a chat-template plugin (docs/plugins.md)",
     "template_backend": "swiftlm renders with the tokenizer's own chat template",
     "agent_template": "tool calls follow the model's chat template (serve: hermes parser)",
     "padding_side": "training pads on the right; the engine needs no padding",

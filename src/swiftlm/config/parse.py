@@ -269,6 +269,20 @@ def load_saved_config(config_cls: type[C], path: Path) -> C:
     return from_flat_dict(config_cls, flat)
 
 
+def load_run_config(path: Path):
+    """A training run's `config.yaml` as the config of the command that wrote it: RLHFConfig
+    when it has an `rlhf` section, else TrainConfig (sft and pt share a `--loss_type` name
+    with rlhf's own, in another section, so one class cannot read both)."""
+    from swiftlm.config.commands import RLHFConfig, TrainConfig
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        data = None  # load_saved_config names the problem
+    config_cls = RLHFConfig if isinstance(data, dict) and "rlhf" in data else TrainConfig
+    return load_saved_config(config_cls, path)
+
+
 def from_flat_dict(config_cls: type[C], flat: dict[str, Any]) -> C:
     """Build a config from flat flag values; the rest take their defaults."""
     owners = flag_owners(config_cls)

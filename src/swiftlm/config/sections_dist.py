@@ -62,8 +62,10 @@ class DistArguments:
         default=None,
     )
     strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed", "tp", "pp"] = doc(
-        "How the model is spread over processes. auto: single for one process, ddp otherwise; "
-        "fsdp2 with --fsdp, deepspeed with --deepspeed, tp with --tensor_parallel_size > 1.",
+        "How the model is spread over processes. auto: single for one process; for several "
+        "(sft, pt), the layout `swiftlm plan` recommends for this model, batch and devices "
+        "(chosen once before the workers start, printed with its estimates); fsdp2 with "
+        "--fsdp, deepspeed with --deepspeed, tp with --tensor_parallel_size > 1.",
         default="auto",
     )
     tensor_parallel_size: int = doc(

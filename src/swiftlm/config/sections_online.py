@@ -15,6 +15,8 @@ from swiftlm.config.sections import doc
 from swiftlm.errors import ConfigError
 
 BUILTIN_REWARDS = ("accuracy", "format", "length", "repetition")
+# The names of the reward functions plugins registered (methods.rewards.REWARD_FUNCS).
+PLUGIN_REWARD_NAMES: set[str] = set()
 # ms-swift's (and DeepSeek-R1's) reasoning format.
 DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
 # Per method: the defaults that differ (TRL's GKD samples at 0.9, as ms-swift's).
@@ -171,9 +173,10 @@ def _check_grpo(grpo: GRPOArguments) -> None:
             f"{len(grpo.reward_funcs)} --reward_funcs; give one weight per function"
         )
     for name in grpo.reward_funcs:
-        if name not in BUILTIN_REWARDS and ":" not in name:
+        if name not in BUILTIN_REWARDS and name not in PLUGIN_REWARD_NAMES and ":" not in name:
+            known = ", ".join([*BUILTIN_REWARDS, *sorted(PLUGIN_REWARD_NAMES)])
             raise ConfigError(
-                f"--reward_funcs {name}: not a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
+                f"--reward_funcs {name}: not a built-in or plugin reward ({known}) "
                 "nor `file.py:function`"
             )
     if grpo.soft_cache_length is not None and grpo.soft_cache_length >= grpo.max_completion_length:

@@ -29,6 +29,12 @@ class DeployArguments:
         "Default: the model's folder or hub name.",
         default=None,
     )
+    tool_call_parser: str = doc(
+        "How tool calls are read from generated text: hermes (`<tool_call>{json}</tool_call>`, "
+        "Qwen2.5/Hermes templates), or the name of a parser a plugin registers "
+        "(--external_plugins, docs/plugins.md).",
+        default="hermes",
+    )
     max_num_seqs: int = doc(
         "Most sequences decoded together in one batch. Text models only: a vision-language "
         "model answers one request at a time (continuous batching is text-only).",

@@ -26,6 +26,7 @@ from typing import Any
 
 from swiftlm.data.columns import TOOLS_FOR_SFT, refuse_media_parts, refuse_other_method_columns
 from swiftlm.data.parts import content_images, content_text, parse_part
+from swiftlm.data.row_formats import registered_format
 from swiftlm.data.rows import RowError, message_loss, type_name
 from swiftlm.data.tools import (
     CALL_ROLES,
@@ -92,6 +93,7 @@ def chat_sample(
     system: str | None = None,
     placeholders: dict[str, str] | None = None,
     method: str = "sft",
+    row_format: str | None = None,
 ) -> dict:
     """The chat row schema: one row -> `{"messages": [...], "tools"?: [...]}`, validated.
 
@@ -100,8 +102,10 @@ def chat_sample(
     text parts included. Both apply after validation, so a placeholder that empties a
     message does not make the row invalid. Columns for other methods are refused with a
     RowError that names `method`, the command reading the row. Image parts are kept: a
-    text-only method refuses them with columns.refuse_media_parts.
+    text-only method refuses them with columns.refuse_media_parts. A row in a plugin's
+    format (`row_format`, or detected) is converted first (see registered_format).
     """
+    record = registered_format(record, row_format, _in_builtin_format)
     refuse_other_method_columns(record, method)
     messages = to_messages(record, require_answer=require_answer)
     tools = parse_tools(record.get("tools"))
@@ -114,11 +118,12 @@ def chat_sample(
     return {"messages": messages, "tools": tools} if tools else {"messages": messages}
 
 
-def text_sample(record: dict) -> dict:
+def text_sample(record: dict, row_format: str | None = None) -> dict:
     """The pre-training row schema: one row -> `{"text": str}` (see to_text; raises RowError).
 
     Placeholders are not applied: code corpora may contain "{{...}}" as written.
     """
+    record = registered_format(record, row_format, _in_builtin_format)
     refuse_other_method_columns(record, "pt", also={"tools": TOOLS_FOR_SFT})
     return {"text": to_text(record)}
 
@@ -257,6 +262,10 @@ def _chat_format(record: dict, require_answer: bool = True) -> str | None:
     if _present(record, "query") and (_present(record, "response") or not require_answer):
         return "query"
     return None
+
+
+def _in_builtin_format(record: dict) -> bool:
+    return record.get("text") is not None or _chat_format(record, False) is not None
 
 
 def _has_chat_format(record: dict) -> bool:

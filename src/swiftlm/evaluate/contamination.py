@@ -7,7 +7,7 @@ check sees the text the model was trained on.
 
 from pathlib import Path
 
-from swiftlm.config import RLHFConfig, load_saved_config
+from swiftlm.config.parse import load_run_config
 from swiftlm.data.sources import parse_dataset_spec, read_rows
 from swiftlm.errors import DataError
 from swiftlm.eval.contamination import build_index, check, texts_of_row
@@ -21,7 +21,7 @@ def training_specs(cfg, spec) -> tuple[list[str], str]:
     if spec is not None and spec.ckpt_dir:
         saved = Path(spec.ckpt_dir) / "config.yaml"
         if saved.is_file():
-            run = load_saved_config(RLHFConfig, saved)
+            run = load_run_config(saved)
             return list(run.data.dataset), str(saved)
     return [], ""
 

@@ -15,10 +15,9 @@ from swiftlm.config import (
     UNUSED_FLAGS,
     EvalConfig,
     ModelArguments,
-    RLHFConfig,
-    load_saved_config,
     save_config,
 )
+from swiftlm.config.parse import load_run_config
 from swiftlm.config.rules import check
 from swiftlm.errors import ConfigError
 from swiftlm.eval.backend import LocalBackend, Sampling
@@ -130,7 +129,7 @@ def with_run_identity(cfg: EvalConfig, spec) -> EvalConfig:
     saved = Path(spec.ckpt_dir) / "config.yaml" if spec is not None and spec.ckpt_dir else None
     if saved is None or not saved.is_file():
         return cfg
-    run_model = load_saved_config(RLHFConfig, saved).model
+    run_model = load_run_config(saved).model
     defaults = ModelArguments()
     model = dataclasses.replace(
         cfg.model,

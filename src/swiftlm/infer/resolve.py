@@ -19,7 +19,8 @@ from pathlib import Path
 
 from swiftlm.checkpoint import is_complete, list_checkpoints
 from swiftlm.checkpoint.blocks import is_block_checkpoint
-from swiftlm.config import InferConfig, RLHFConfig, TrainConfig, load_saved_config
+from swiftlm.config import InferConfig, TrainConfig
+from swiftlm.config.parse import load_run_config
 from swiftlm.errors import CheckpointError, ConfigError, ModelLoadError, SwiftLMError
 from swiftlm.models.loader import resolve_model
 
@@ -225,8 +226,7 @@ def _run_dir_of(folder: Path) -> Path | None:
 
 def _load_run_config(run_dir: Path, flag: str) -> TrainConfig:
     try:
-        # RLHFConfig reads every training run: sft/pt runs have no `rlhf` section to fill
-        return load_saved_config(RLHFConfig, run_dir / RUN_CONFIG)
+        return load_run_config(run_dir / RUN_CONFIG)
     except SwiftLMError as exc:
         raise ConfigError(
             f"{flag}: cannot read the run's {run_dir / RUN_CONFIG}: {exc}. Pass the base model "

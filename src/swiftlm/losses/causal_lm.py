@@ -39,6 +39,24 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
     )
 
 
+# Token losses added by plugins (swiftlm.plugins.register_loss), chosen with --loss_type:
+# name -> fn(logits [rows, width, vocab] float32, targets [rows, width]) -> the 0-d SUM of
+# the losses at the target positions (targets already shifted: targets[:, t] is what
+# logits[:, t] predicts; IGNORE_INDEX where no loss). The loop divides by the label tokens.
+TOKEN_LOSSES: dict = {}
+
+
+def registered_loss_sum(name: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The registered token loss `name` on a micro-batch's logits and (unshifted) labels."""
+    loss_sum = TOKEN_LOSSES[name](logits.float(), shifted_labels(labels))
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
+        raise TypeError(
+            f"--loss_type {name}: the loss must return a 0-d tensor (the sum over label tokens), "
+            f"got {type(loss_sum).__name__}{getattr(loss_sum, 'shape', '')}"
+        )
+    return loss_sum
+
+
 def causal_lm_loss(
     model, batch: dict[str, torch.Tensor], reduction: str = "sum"
 ) -> tuple[torch.Tensor, dict]:

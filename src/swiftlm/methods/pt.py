@@ -15,6 +15,7 @@ from swiftlm.config import TrainConfig
 from swiftlm.data.encode import encode_pretraining
 from swiftlm.data.formats import text_sample
 from swiftlm.data.loading import load_samples
+from swiftlm.data.row_formats import ROW_FORMATS
 from swiftlm.data.streaming import StreamChunks
 from swiftlm.data.token_shards import load_or_build_shards, shard_blocker, spec_files
 from swiftlm.errors import ConfigError
@@ -27,11 +28,11 @@ class PT(NextTokenObjective):
     default_datasets = ()  # --dataset is required
 
     def __init__(self, cfg: TrainConfig, tokenizer):
-        super().__init__(tokenizer, cfg.train.fused_cross_entropy)
-        self.max_length = cfg.data.max_length
+        super().__init__(tokenizer, cfg.train.fused_cross_entropy, cfg.plugins.loss_type)
+        self.max_length, self.row_format = cfg.data.max_length, cfg.plugins.dataset_format
 
     def to_sample(self, record: dict) -> dict:
-        return text_sample(record)
+        return text_sample(record, self.row_format)
 
     def encode(self, samples: list[dict]) -> EncodeResult:
         texts = [s["text"] for s in samples]
@@ -43,7 +44,8 @@ class PT(NextTokenObjective):
         return EncodeResult(chunks, [note] if dropped else [], counts)
 
     def cache_options(self) -> dict:
-        return {"method": self.name, "max_length": self.max_length}
+        options = {"method": self.name, "max_length": self.max_length}
+        return {**options, "dataset_format": self.row_format} if self.row_format else options
 
     def sharded_data(self, cfg: TrainConfig, ctx, log) -> tuple | None:
         """(train chunks read from token shards, validation samples, truncation counts), or
@@ -57,6 +59,8 @@ class PT(NextTokenObjective):
         blocker = shard_blocker(d.dataset)
         if blocker is None and d.split_dataset_ratio > 0:
             blocker = "--split_dataset_ratio holds out documents before they are joined"
+        if blocker is None and ROW_FORMATS:  # shard workers are fresh processes, without them
+            blocker = "a plugin's dataset format converts the rows in this process"
         if blocker:
             log(f"pt: reading the data whole, not into token shards ({blocker})")
             return None

@@ -102,6 +102,12 @@ def repetition_reward(n: int) -> Callable[..., list[float]]:
     return repetition
 
 
+# Reward functions added by plugins (swiftlm.plugins.register_reward): name -> function,
+# called like the built-in ones. Its name is also in config's PLUGIN_REWARD_NAMES, which
+# --reward_funcs is checked against when the flags are parsed.
+REWARD_FUNCS: dict[str, Callable[..., list[float]]] = {}
+
+
 @dataclass
 class Scored:
     """Rewards of a rollout batch: per function (None: failed or no reward), the total."""
@@ -126,7 +132,7 @@ class RewardSet:
             "repetition": repetition_reward(g.repetition_n_grams),
         }
         self.functions = {
-            name: builtins.get(name) or UserReward(name, g.reward_timeout)
+            name: builtins.get(name) or REWARD_FUNCS.get(name) or UserReward(name, g.reward_timeout)
             for name in g.reward_funcs
         }
         self.failures_total = dict.fromkeys(self.functions, 0)

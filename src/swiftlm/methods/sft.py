@@ -24,8 +24,10 @@ class SFT(NextTokenObjective):
     supports_images = True
 
     def __init__(self, cfg: TrainConfig, tokenizer, vision: VisionInputs | None = None):
-        super().__init__(tokenizer, cfg.train.fused_cross_entropy)
-        self.data = cfg.data
+        # A plugin's rlhf method may build on SFT: rlhf's plugins section has neither flag.
+        loss_type = getattr(cfg.plugins, "loss_type", None)
+        super().__init__(tokenizer, cfg.train.fused_cross_entropy, loss_type)
+        self.data, self.row_format = cfg.data, getattr(cfg.plugins, "dataset_format", None)
         self.placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
         # A vision-language model: rows may hold images, samples carry their features.
         self.vision = vision
@@ -35,7 +37,9 @@ class SFT(NextTokenObjective):
     def to_sample(self, record: dict) -> dict:
         """A conversation, with its tools if the row has some; columns for other methods are
         refused (see formats.chat_sample), and images unless the model takes them."""
-        options = dict(system=self.data.system, placeholders=self.placeholders)
+        options = dict(
+            system=self.data.system, placeholders=self.placeholders, row_format=self.row_format
+        )
         if self.vision is not None:
             return vision_chat_sample(record, method=self.name, **options)
         sample = chat_sample(record, **options)
@@ -81,5 +85,6 @@ class SFT(NextTokenObjective):
             "loss_scope": d.loss_scope,
             "system": d.system,
             "placeholders": list(self.placeholders.values()),
+            **({"dataset_format": self.row_format} if self.row_format else {}),
             **(self.vision.cache_options() if self.vision is not None else {}),
         }

@@ -7,9 +7,16 @@ samples on is `NextTokenObjective`, which they extend with their `to_sample`, `e
 
 import torch
 
-from swiftlm.data.collate import collate, collate_packed, lm_pads
+from swiftlm.data.collate import collate, collate_packed, lm_pads, model_inputs
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.losses.causal_lm import causal_lm_loss, count_label_tokens, token_cross_entropy_sum
+from swiftlm.errors import ConfigError
+from swiftlm.losses.causal_lm import (
+    TOKEN_LOSSES,
+    causal_lm_loss,
+    count_label_tokens,
+    registered_loss_sum,
+    token_cross_entropy_sum,
+)
 from swiftlm.losses.fused_ce import fused_causal_lm_loss, install_fused_lm_head
 from swiftlm.methods.base import Batch, Layout, LossOutput
 
@@ -35,10 +42,18 @@ class NextTokenObjective:
     columns = ("input_ids", "labels")
     supports_packing = True
 
-    def __init__(self, tokenizer, fused_cross_entropy: bool):
+    def __init__(self, tokenizer, fused_cross_entropy: bool, loss_type: str | None = None):
         self.tokenizer = tokenizer
         self.token_pads = token_pads(tokenizer.pad_token_id)
-        self.wants_fused, self.fused = fused_cross_entropy, False
+        if loss_type is not None and loss_type not in TOKEN_LOSSES:
+            known = ", ".join(TOKEN_LOSSES) or "no plugin registers one"
+            raise ConfigError(
+                f"--loss_type {loss_type}: not a registered loss ({known}); load the plugin "
+                "that registers it (installed, or --external_plugins file.py)"
+            )
+        # A plugin's loss reads the logits: the fused head, which never makes them, is off.
+        self.loss_type = loss_type
+        self.wants_fused, self.fused = fused_cross_entropy and loss_type is None, False
 
     length = staticmethod(token_lengths)
     masked = staticmethod(without_labels)
@@ -65,10 +80,14 @@ class NextTokenObjective:
             )
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
+        if self.loss_type is not None:
+            logits = model(**model_inputs(batch), use_cache=False).logits
+            return registered_loss_sum(self.loss_type, logits, batch["labels"]), {}
         if self.fused:
             return fused_causal_lm_loss(model, batch)
         return causal_lm_loss(model, batch)
 
-    @staticmethod
-    def pipeline_loss(logits: torch.Tensor, batch: Batch) -> LossOutput:
+    def pipeline_loss(self, logits: torch.Tensor, batch: Batch) -> LossOutput:
+        if self.loss_type is not None:
+            return registered_loss_sum(self.loss_type, logits, batch["labels"]), {}
         return token_cross_entropy_sum(logits, batch["labels"]), {}

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,12 @@ def _read_config(path: Path) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def _model_type(path: str) -> str | None:
+    """The `model_type` of a local model folder's config.json (None for other paths)."""
+    config = Path(path) / "config.json"
+    return _read_config(config).get("model_type") if config.is_file() else None
+
+
 def _gguf_cache_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
@@ -237,7 +244,7 @@ def load_tokenizer(path: str):
         raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    ensure_chat_template(tokenizer)
+    ensure_chat_template(tokenizer, _model_type(path))
     return tokenizer
 
 
@@ -262,6 +269,30 @@ def _auto_class(kind: str, pad_token_id: int | None, path: str) -> tuple[type, d
     return transformers.AutoModelForCausalLM, {}
 
 
+@dataclass(frozen=True)
+class ModelLoader:
+    """A plugin's model loader: `load(path, dtype=, device=, attn_impl=, kind=)` -> a model,
+    for the folders whose config.json `model_type` is in `model_types`, or the --model
+    values that start with `prefix`."""
+
+    load: Callable
+    model_types: tuple[str, ...] = ()
+    prefix: str | None = None
+
+
+# Model loaders added by plugins (swiftlm.plugins.register_model_loader): name -> ModelLoader.
+MODEL_LOADERS: dict[str, ModelLoader] = {}
+
+
+def registered_loader(path: str) -> ModelLoader | None:
+    """The first registered loader that claims `path` (by prefix, or its folder's model_type)."""
+    model_type = _model_type(path)
+    for loader in MODEL_LOADERS.values():
+        if (loader.prefix and path.startswith(loader.prefix)) or model_type in loader.model_types:
+            return loader
+    return None
+
+
 def load_model(
     path: str,
     dtype: torch.dtype,
@@ -278,6 +309,10 @@ def load_model(
     weights it quantizes are converted while loading, directly on `device`.
     `pad_token_id`: the tokenizer's, for a reward model (its head finds each row's last token).
     """
+    custom = registered_loader(str(path)) if MODEL_LOADERS else None
+    if custom is not None:
+        model = custom.load(path, dtype=dtype, device=device, attn_impl=attn_impl, kind=kind)
+        return model.to(device)
     auto_class, options = _auto_class(kind, pad_token_id, path)
     if Path(path).is_dir():  # also for commands that do not resolve --model (infer, export)
         check_text_model(Path(path), path)

@@ -5,6 +5,10 @@ token, so a base model learns to stop on a token it already has and no embedding
 added. When the tokenizer has a real `<|im_end|>` token, that is used instead.
 """
 
+# Chat templates added by plugins (swiftlm.plugins.register_chat_template): Hugging Face
+# model_type -> Jinja template, used instead of the tokenizer's own for models of that type.
+CHAT_TEMPLATES: dict[str, str] = {}
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + END_OF_TURN + '\\n' }}"
@@ -34,8 +38,12 @@ def end_of_turn_token(tokenizer) -> str:
     return tokenizer.eos_token
 
 
-def ensure_chat_template(tokenizer) -> None:
-    """Give a tokenizer without a chat template the documented ChatML default."""
+def ensure_chat_template(tokenizer, model_type: str | None = None) -> None:
+    """Give a tokenizer the template a plugin registered for `model_type`, else, without a
+    chat template, the documented ChatML default."""
+    if model_type in CHAT_TEMPLATES:
+        tokenizer.chat_template = CHAT_TEMPLATES[model_type]
+        return
     if tokenizer.chat_template:
         return
     if tokenizer.eos_token is None:

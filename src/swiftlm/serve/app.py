@@ -37,6 +37,7 @@ class ServerSettings:
     request_timeout: float = 600.0
     system: str | None = None  # system prompt for conversations that have none
     allow_local_images: bool = False  # image_url parts may name files on this machine
+    tool_call_parser: str = "hermes"  # a name in serve.tools.TOOL_PARSERS
 
 
 def create_app(

@@ -153,7 +153,9 @@ class Completions:
             ids = await asyncio.to_thread(
                 chat_prompt_ids, self.tokenizer, body, self.settings.system
             )
-            constraint = await asyncio.to_thread(self.constraints.for_request, body)
+            constraint = await asyncio.to_thread(
+                self.constraints.for_request, body, self.settings.tool_call_parser
+            )
             job = self._job(body, http, "chat", [ids], constraint)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", now_s()
         texts = self.texts if body.logprobs else None
@@ -167,7 +169,7 @@ class Completions:
         answer = r.chat_completion(request_id, body.model, created, samples, len(ids), texts)
         if tools:
             for choice in answer["choices"]:
-                with_calls(choice, choice["message"]["content"])
+                with_calls(choice, choice["message"]["content"], self.settings.tool_call_parser)
         return answer
 
     async def _chat_tool_events(self, job: Job, request_id, created, include_usage):
@@ -182,7 +184,9 @@ class Completions:
             if delta.finish_reason is None:
                 continue
             entry = with_calls(
-                {"index": choice, "finish_reason": delta.finish_reason}, texts[choice]
+                {"index": choice, "finish_reason": delta.finish_reason},
+                texts[choice],
+                self.settings.tool_call_parser,
             )
             message = entry.pop("message")
             if message.get("tool_calls"):
@@ -256,10 +260,10 @@ class Completions:
             yield r.sse({**r.completion_chunk(request_id, job.model, created, []), "usage": usage})
 
 
-def with_calls(choice: dict, text: str) -> dict:
-    """Set `choice`'s message from `text`: tool calls parsed out (finish_reason "tool_calls",
-    as OpenAI says when the model called tools), or the text as content."""
-    message, called = tool_message(text)
+def with_calls(choice: dict, text: str, parser: str) -> dict:
+    """Set `choice`'s message from `text`: tool calls parsed out by `parser` (finish_reason
+    "tool_calls", as OpenAI says when the model called tools), or the text as content."""
+    message, called = tool_message(text, parser)
     choice["message"] = message
     if called and choice.get("finish_reason") == "stop":
         choice["finish_reason"] = "tool_calls"

@@ -43,8 +43,20 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def check_tool_parser(name: str) -> None:
+    """A --tool_call_parser that no one registered fails before the model loads."""
+    from swiftlm.serve.tools import TOOL_PARSERS
+
+    if name not in TOOL_PARSERS:
+        raise ConfigError(
+            f"--tool_call_parser {name}: no such parser; known: {', '.join(sorted(TOOL_PARSERS))} "
+            "(a plugin given with --external_plugins or installed as a package can add one)"
+        )
+
+
 def run(cfg: DeployConfig) -> None:
     require_serve_extra()  # before minutes of model loading
+    check_tool_parser(cfg.deploy.tool_call_parser)
     check_port_free(cfg.deploy.host, cfg.deploy.port)
     check_weights_folders(cfg.infer.ckpt_dir, list(parse_adapters(cfg.infer.adapters).values()))
     plan = plan_deployment(cfg)
@@ -91,6 +103,7 @@ def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
         request_timeout=args.request_timeout,
         system=plan.spec.system,
         allow_local_images=args.allow_local_images,
+        tool_call_parser=args.tool_call_parser,
     )
     if plan.reward_model:
         from swiftlm.serve.scoring import create_scoring_app

@@ -45,6 +45,14 @@ class Constraints:
                 param="response_format",
             )
         if forced:
+            if parser not in FORCED_CALL_TAGS:
+                raise APIError(
+                    400,
+                    f"'tool_choice': a forced tool call needs a parser that says how a call "
+                    f"begins and ends; the server's parser {parser!r} does not (give "
+                    "tool_choice 'auto', or register the parser with forced_call_tags)",
+                    param="tool_choice",
+                )
             begin, end = FORCED_CALL_TAGS[parser]
             try:
                 return self.grammars().tagged_json(call_schema(forced), begin, end)

@@ -28,14 +28,10 @@ from swiftlm.losses.causal_lm import count_label_tokens
 from swiftlm.methods.base import Layout, Method
 from swiftlm.methods.online import StepContext, is_online
 from swiftlm.monitor.metrics import MetricsLogger, Progress, peak_memory_gib
+from swiftlm.train import batching
 from swiftlm.train import state as loop_state
-from swiftlm.train.batching import (
-    BatchPlan,
-    GlobalBatch,
-    iterate_steps,
-    steps_in_epoch,
-    total_steps,
-)
+from swiftlm.train.batching import BatchPlan, GlobalBatch, iterate_steps
+from swiftlm.train.callbacks import TrainCallbacks
 from swiftlm.train.evaluation import BestCheckpoint, GenerationEvaluator
 from swiftlm.train.nonfinite import NonFiniteLossError, describe_nonfinite, first_nonfinite_output
 from swiftlm.train.observe import Observer
@@ -71,6 +67,7 @@ class TrainingJob:
     evaluator: GenerationEvaluator | None = None  # --eval_dataset's tasks
     best: BestCheckpoint | None = None  # --metric_for_best_model
     checkpoint_tiers: object | None = None  # checkpoint.tiers.Tiers, set on resume
+    callbacks: TrainCallbacks | None = None  # plugins' callbacks, set by run_training
 
 
 class Precision:
@@ -272,8 +269,8 @@ def plan_steps(job: TrainingJob) -> tuple[int, int]:
     a = job.args
     accumulation = a.gradient_accumulation_steps
     return (
-        total_steps(job.batch_plan, accumulation, a.num_train_epochs, a.max_steps),
-        steps_in_epoch(job.batch_plan, accumulation, 0),
+        batching.total_steps(job.batch_plan, accumulation, a.num_train_epochs, a.max_steps),
+        batching.steps_in_epoch(job.batch_plan, accumulation, 0),
     )
 
 
@@ -322,6 +319,7 @@ def run_training(job: TrainingJob) -> dict:
     eval_every = out.eval_steps or out.save_steps
     steps = step_source(job, state, num_steps)
     started = time.perf_counter() - state.train_seconds
+    job.callbacks = callbacks = TrainCallbacks(job, state, num_steps)  # on_train_start
     job.model.train()
     preemption = PreemptionWatch(job.strategy.ctx).install()  # SIGTERM/SIGUSR1: save, stop
     try:
@@ -348,6 +346,7 @@ def run_training(job: TrainingJob) -> dict:
             with observer.phase("logging"):
                 window.add(result)
                 observer.step_end(state.step, result.loss, grad_norm)
+                callbacks.step_end(state, result.loss, lr, grad_norm)
                 progress.update(result.loss, lr, window.throughput.rate())
                 if observer.logs(state.step):
                     state.train_seconds = time.perf_counter() - started
@@ -372,7 +371,7 @@ def run_training(job: TrainingJob) -> dict:
             job.method.close()
         if job.evaluator:
             job.evaluator.close()
-    return summarize(job, state)
+    return callbacks.train_end(state, summarize(job, state))
 
 
 def step_source(job: TrainingJob, state, num_steps: int):
@@ -393,12 +392,14 @@ def save_due_checkpoint(job, optimizer, scheduler, precision, state, last, preem
     if tier:
         with job.observer.phase("checkpoint"):
             loop_state.save(job, optimizer, scheduler, precision.scaler, state, last, tier)
+        job.callbacks.saved(state, tier)
     if last:
         return
     saved = tier == loop_state.RUN_TIER  # a local-tier copy may not outlive preemption
 
     def save() -> None:
         loop_state.save(job, optimizer, scheduler, precision.scaler, state)
+        job.callbacks.saved(state, loop_state.RUN_TIER)
 
     preemption.stop_if_signalled(job, state.step, saved, save)
 

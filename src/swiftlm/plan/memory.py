@@ -1,0 +1,240 @@
+"""Memory per device of a training step, term by term, from the model's shape.
+
+Every term is bytes of tensors that exist, per device:
+
+- weights: trainable weights in float32 (swiftlm keeps them so), frozen LoRA base weights in
+  the compute dtype; DeepSpeed holds its module in the compute dtype plus a float32 master copy
+  of the trained weights; ZeRO-3 and FSDP2 shard weights over the data-parallel ranks, tensor
+  parallel splits the block projections, pipeline parallel the blocks;
+- gradients: float32, one per trainable weight (sharded by ZeRO-2/3 and FSDP2);
+- optimizer: AdamW's two float32 moments per trainable weight (sharded by every ZeRO and FSDP2);
+- activations: what autograd saves per decoder layer per token (`activation_bytes_per_token`,
+  the saved tensors of a Llama-style block under autocast), or only each layer's input with
+  gradient checkpointing plus one layer recomputed in backward;
+- logits: the fused, chunked cross-entropy's chunk (swiftlm's default) with the head weight's
+  compute-dtype copy and float32 gradient it makes when the head trains, or the whole
+  [tokens, vocab] logits, their float32 copy and gradient;
+- buffers: DDP's gradient buckets, DeepSpeed's reduce bucket (and ZeRO-3's gathered weights
+  it keeps live between forward and backward), FSDP2's gathered layers,
+  autocast's low-precision copies of the trained weights, and the runtime baseline (the CPU
+  probe's measured per-process memory before any model).
+
+The peak is what stays (weights, optimizer, buffers) plus the larger of the two phases of a
+step: forward/backward (activations, logits, weight casts, accumulated gradients) and the
+optimizer step (gradients, one float32 temporary per trained weight of foreach AdamW); on
+CPUs, or the loading of the model if that is higher.
+"""
+
+from dataclasses import dataclass
+
+from swiftlm.plan.devices import DeviceSpec
+from swiftlm.plan.layouts import DDP, FSDP2, ZERO1, ZERO3, Layout
+from swiftlm.plan.shape import ModelShape
+
+FP32 = 4
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb (the buckets together hold all gradients)
+DEEPSPEED_BUCKET_ELEMENTS = 5e8  # reduce_bucket_size in the built-in zero*.json
+DEEPSPEED_LIVE_ELEMENTS = 1e9  # ZeRO-3's stage3_max_live_parameters default
+FUSED_CE_CHUNK_ELEMENTS = 2**24  # losses/fused_ce.py: one chunk of float32 logits
+FUSED_CE_MIN_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Job:
+    """The training job a plan is for (per device micro-batch)."""
+
+    batch_size: int
+    max_length: int
+    grad_accum: int = 1
+    checkpointing: bool = False
+    full: bool = False  # --train_type full (else LoRA/DoRA adapters)
+    lora_rank: int = 8
+    compute_bytes: int = 2  # bf16/fp16 autocast: 2; float32: 4
+    fused_ce: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.max_length
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device; `peak` combines them by phase (see the module docstring)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float  # persistent buffers and the runtime baseline
+    cast_copies: float  # autocast's compute-dtype copies of trained weights (forward only)
+    optimizer_temp: float  # foreach AdamW's float32 temporary at the step
+    offloaded: float = 0.0  # bytes moved to host memory (GPU offload)
+    loading: float = 0.0  # CPU: the process while it loads the model (before any sharding)
+
+    @property
+    def training(self) -> float:
+        forward_backward = self.activations + self.logits + self.cast_copies
+        step = self.gradients + self.optimizer_temp
+        return self.weights + self.optimizer + self.buffers + max(forward_backward, step)
+
+    @property
+    def peak(self) -> float:
+        return max(self.training, self.loading)
+
+
+def activation_bytes_per_token(shape: ModelShape, job: Job, tp: int = 1) -> float:
+    """Bytes autograd saves in one decoder block per token (Llama-style: RMSNorm, RoPE,
+    fused attention without the score matrix, gated MLP). Counted tensor by tensor (and
+    checked against autograd's saved-tensor hooks in tests/unit/test_plan.py): the norms save
+    their float32 input and inverse RMS (and the normalized input when their weight trains);
+    each trained projection saves its input (in autocast one cast per projection, in float32
+    the shared norm output; LoRA: each adapter's A and B inputs); attention saves q, k, v,
+    its output, the log-sum-exp and RoPE's cos/sin; the MLP its gate, up, activation and the
+    down projection's input. Tensor parallel splits heads and the MLP width."""
+    a, h = job.compute_bytes, shape.hidden_size
+    kv, inter = shape.kv_size / tp, shape.intermediate_size / tp
+    heads, q_width = shape.num_heads / tp, shape.num_heads * shape.head_dim / tp
+    norms = 2 * (FP32 * h + FP32) + (2 * FP32 * h if job.full else 0)
+    inputs = (5 if job.full else 6) * a * h if a < FP32 else 2 * FP32 * h
+    adapters = 0 if job.full else 7 * a * job.lora_rank
+    attention = 2 * a * q_width + 2 * a * kv + FP32 * heads + 2 * FP32 * shape.head_dim
+    mlp = 4 * a * inter
+    return norms + inputs + adapters + attention + mlp
+
+
+def activation_bytes(shape: ModelShape, job: Job, layers: int, tp: int = 1, in_flight=1) -> float:
+    """Saved activations of `layers` blocks for `in_flight` micro-batches (pipeline stages
+    hold several), at the peak of backward."""
+    per_token = activation_bytes_per_token(shape, job, tp)
+    tokens = job.tokens * in_flight
+    if job.checkpointing:  # each block keeps its input; backward recomputes one block at a time
+        return tokens * layers * FP32 * shape.hidden_size + job.tokens * per_token
+    return tokens * layers * per_token
+
+
+def logits_bytes(shape: ModelShape, job: Job) -> float:
+    """The LM head's vocab-sized tensors at their peak, and the hidden-state gradient the
+    fused loss keeps from forward to backward."""
+    vocab = shape.vocab_size
+    if job.fused_ce:
+        rows = min(job.tokens, max(FUSED_CE_MIN_ROWS, FUSED_CE_CHUNK_ELEMENTS // vocab))
+        # one chunk's logits, its softmax and the gradient made from it, all float32
+        chunk = 3 * rows * vocab * FP32 + job.tokens * shape.hidden_size * FP32
+        head = vocab * shape.hidden_size
+        # the head weight cast once to the compute dtype (a trained head is float32), and
+        # its float32 gradient accumulated over the chunks
+        cast = head * job.compute_bytes if job.full and job.compute_bytes < FP32 else 0
+        return chunk + cast + (head * FP32 if job.full else 0)
+    return job.tokens * vocab * (job.compute_bytes + 2 * FP32)
+
+
+def estimate_memory(shape: ModelShape, layout: Layout, job: Job, device: DeviceSpec) -> Memory:
+    """The memory per device of `layout` (the most loaded device: pipeline stage 0)."""
+    trained, frozen = _split_parameters(shape, layout)
+    frozen_bytes = FP32 if (job.full or job.compute_bytes == FP32) else job.compute_bytes
+    dp = layout.dp
+    opt_share = dp if layout.shards_optimizer else 1
+    grad_share = dp if layout.shards_gradients else 1
+    weight_share = dp if layout.shards_weights else 1
+    if layout.deepspeed:  # the engine's module in the compute dtype + a float32 master copy
+        weights = (trained + frozen) * job.compute_bytes / weight_share + FP32 * trained / dp
+    else:
+        weights = (trained * FP32 + frozen * frozen_bytes) / weight_share
+    gradients = FP32 * trained / grad_share
+    if layout.sharding == ZERO1:  # full low-precision gradients, reduced into the fp32 partition
+        gradients = job.compute_bytes * trained + FP32 * trained / dp
+    optimizer = 2 * FP32 * trained / opt_share
+    offloaded = 0.0
+    if layout.offload:
+        offloaded = optimizer + (weights if layout.shards_weights else 0.0)
+        optimizer, weights = 0.0, weights - (weights if layout.shards_weights else 0.0)
+    layers = _layers_on_device(shape, layout)
+    in_flight = min(layout.pp, job.grad_accum) if layout.pp > 1 else 1
+    activations = activation_bytes(shape, job, layers, layout.tp, in_flight)
+    cast_copies = 0.0
+    gpu_fsdp2 = layout.sharding == FSDP2 and device.kind == "gpu"  # gathers in bf16 itself
+    if job.compute_bytes < FP32 and not layout.deepspeed and not gpu_fsdp2:
+        cast_copies = job.compute_bytes * trained  # autocast caches casts of trained leaves
+    if job.grad_accum > 1:
+        activations += gradients  # earlier micro-batches' gradients stay during forward
+    return Memory(
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        logits=logits_bytes(shape, job) if _holds_head(layout) else 0.0,
+        buffers=_baseline(device, layout) + _comm_buffers(shape, layout, job, trained),
+        cast_copies=cast_copies,
+        optimizer_temp=0.0 if layout.offload else FP32 * trained / opt_share,
+        offloaded=offloaded,
+        loading=_loading(shape, job, device, layout),
+    )
+
+
+def _split_parameters(shape: ModelShape, layout: Layout) -> tuple[float, float]:
+    """(trained, frozen) parameters on one device before data-parallel sharding: tensor
+    parallel splits the decoder blocks' weights, pipeline stage 0 holds its share of the
+    blocks and the embeddings."""
+    layers = _layers_on_device(shape, layout)
+    outside = shape.embedding_params + shape.head_params + shape.hidden_size  # + final norm
+    block_total = (shape.total_params - outside) / shape.num_layers
+    full = shape.trainable_params == shape.total_params
+    block_trained = block_total if full else shape.layer_trainable_params
+    if layout.pp > 1:
+        outside = shape.embedding_params  # stage 0: the embeddings, not the head
+    total = outside + layers * block_total / layout.tp
+    trained = (outside if full else 0) + layers * block_trained / layout.tp
+    return trained, total - trained
+
+
+def _layers_on_device(shape: ModelShape, layout: Layout) -> int:
+    return -(-shape.num_layers // layout.pp)
+
+
+def _loading(shape: ModelShape, job: Job, device: DeviceSpec, layout: Layout) -> float:
+    """On CPUs every rank loads the whole model before any sharding: the weight files'
+    pages are mapped, and weights converted to another dtype (LoRA's frozen base in bf16)
+    are first read into float32 tensors, then cast (measured: ~1 GiB above the baseline for
+    SmolLM2's float32 files loaded in bf16). GPUs load through host memory: not counted."""
+    if device.kind != "cpu":
+        return 0.0
+    converted = not job.full and job.compute_bytes < FP32
+    dtype_bytes = job.compute_bytes if converted else FP32
+    materialized = shape.total_params * (FP32 + dtype_bytes if converted else 0)
+    return _baseline(device, layout) + shape.checkpoint_bytes + materialized
+
+
+def _baseline(device: DeviceSpec, layout: Layout) -> float:
+    """The runtime's own memory per process (measured on CPUs; DeepSpeed adds its modules)."""
+    if layout.deepspeed:
+        return max(device.baseline_deepspeed_bytes, device.baseline_bytes)
+    return device.baseline_bytes
+
+
+def _holds_head(layout: Layout) -> bool:
+    """Stage 0 is the planner's most loaded stage; with several stages the head is elsewhere."""
+    return layout.pp == 1
+
+
+def _comm_buffers(shape: ModelShape, layout: Layout, job: Job, trained: float) -> float:
+    if layout.dp == 1:
+        return 0.0
+    if layout.sharding == DDP:  # DDP copies every gradient into its buckets
+        return FP32 * trained + DDP_BUCKET_BYTES
+    if layout.sharding == ZERO3:
+        # the reduce bucket, and the gathered weights ZeRO-3 keeps live for reuse in backward
+        # (stage3_max_live_parameters and stage3_max_reuse_distance: 1e9 elements by default)
+        bucket = min(DEEPSPEED_BUCKET_ELEMENTS, trained)
+        live = min(DEEPSPEED_LIVE_ELEMENTS, shape.total_params / layout.tp)
+        return job.compute_bytes * (bucket + live)
+    if layout.deepspeed:  # the reduce bucket is filled up to its size
+        return job.compute_bytes * min(DEEPSPEED_BUCKET_ELEMENTS, trained)
+    if layout.sharding == FSDP2:
+        # the gathered weights of the block in use and the next one, and the root unit
+        # (embeddings, head, final norm): gathered from forward to the end of backward, its
+        # gradient whole until the reduce-scatter
+        block = shape.total_params / shape.num_layers / layout.tp
+        root = shape.embedding_params + shape.head_params + shape.hidden_size
+        return 2 * block * FP32 + 2 * root * FP32
+    return 0.0
