@@ -79,12 +79,37 @@ def test_strategy_auto_replaces_itself_with_the_plans_flags(tiny_model_dir, monk
     assert "--strategy" not in planned[: len(argv) - 2] and planned[: len(argv) - 2] == argv[:-2]
     flags = planned[len(argv) - 2 :]
     assert flags and f"({' '.join(flags)})" in line
+    # only data-parallel layouts: TP/PP would change the job's global batch
+    assert not {"--tensor_parallel_size", "--pipeline_parallel_size"} & set(flags)
     # explicit engines, one process and other commands are left alone
     for extra in (["--deepspeed", "zero2"], ["--fsdp", "fsdp2"]):
         cfg = parse_config(TrainConfig, [*argv, *extra], "swiftlm sft", "")
         assert auto.resolve_auto_strategy(cfg, "sft", argv) == argv
     one = parse_config(TrainConfig, argv[:4], "swiftlm sft", "")
     assert auto.resolve_auto_strategy(one, "sft", argv[:4]) == argv[:4]
+
+
+def test_strategy_auto_shards_when_ddp_does_not_fit(tiny_model_dir, monkeypatch, capsys):
+    """A budget between the sharded layouts' estimate and DDP's: a sharded layout is chosen."""
+    from swiftlm.config import TrainConfig
+    from swiftlm.config.parse import parse_config
+    from swiftlm.plan import auto
+    from swiftlm.plan.devices import GIB, parse_devices
+    from swiftlm.plan.run import plan_for
+
+    argv = ["--model", str(tiny_model_dir), "--dataset", "x.jsonl", "--nproc_per_node", "8"]
+    argv += ["--train_type", "full", "--torch_dtype", "bfloat16"]
+    cfg = parse_config(TrainConfig, argv, "swiftlm sft", "")
+    roomy = plan_for(cfg, parse_devices("8xA100-80G"))
+    peaks = {c.layout.name: c.memory.peak / GIB for c in roomy.candidates}
+    budget = (peaks["DDP"] + peaks["ZeRO-3"]) / 2
+    assert peaks["ZeRO-3"] < budget < peaks["DDP"]
+    monkeypatch.setattr(
+        auto, "local_cluster", lambda cfg: parse_devices("8xA100-80G", 1, budget / 0.9)
+    )
+    planned = auto.resolve_auto_strategy(cfg, "sft", argv)
+    assert planned[len(argv) :] != ["--strategy", "ddp"], capsys.readouterr().out
+    assert "--strategy auto: " in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -188,3 +188,28 @@ def test_the_fastest_fitting_layout_is_recommended(smol_like):
     tight = make_plan(smol_like, Job(2, 512, full=True), parse_devices("8xH100", memory_gib=2))
     assert tight.best is not None and tight.best.layout.shards_optimizer
     assert not next(c for c in tight.candidates if c.layout.name == "DDP").fits
+
+
+def test_slower_gloo_scatter_and_gather_make_sharded_layouts_slower_on_cpus(smol_like):
+    """The probe's reduce-scatter and all-gather bandwidths price FSDP2 and ZeRO; DDP's
+    all-reduce is unchanged (the numbers are this machine's probe, rounded)."""
+    from dataclasses import replace
+
+    from swiftlm.plan.devices import Cluster, DeviceSpec
+    from swiftlm.plan.timing import estimate_step_time
+
+    cpu = DeviceSpec("cpu", "cpu", 1.7e12, 12e9, 22e9, "gloo", 1.3e9, "eth", 1.25e9)
+    slow = replace(cpu, reduce_scatter_bandwidth=0.4e9, allgather_bandwidth=0.5e9)
+    job = Job(2, 256, full=True)
+    for layout in (Layout(DDP, 2), Layout(FSDP2, 2), Layout(ZERO2, 2), Layout(ZERO3, 2)):
+        same = estimate_step_time(smol_like, layout, job, Cluster(cpu, 2))
+        slower = estimate_step_time(smol_like, layout, job, Cluster(slow, 2))
+        if layout.sharding == DDP:
+            assert slower == same
+        else:
+            assert slower.communication_s > same.communication_s * 2
+    # FSDP2 on gloo: two float32 all-gathers of the weights and a reduce-scatter of the grads
+    fsdp2 = estimate_step_time(smol_like, Layout(FSDP2, 2), job, Cluster(slow, 2))
+    params = smol_like.total_params
+    expected = 0.5 * (2 * 4 * params / 0.5e9 + 4 * params / 0.4e9)
+    assert fsdp2.communication_s == pytest.approx(expected, rel=0.01)

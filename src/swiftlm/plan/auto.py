@@ -4,6 +4,11 @@ Resolved once, in the launcher before torchrun starts the workers, into the conc
 of the chosen layout (`--deepspeed zero2`, `--fsdp fsdp2`, `--strategy ddp` ...) that every
 worker then parses alike. One process stays `single`; explicit --deepspeed, --fsdp,
 --tensor_parallel_size or --pipeline_parallel_size (or any --strategy but auto) are kept.
+
+Only data-parallel layouts are chosen (DDP, ZeRO-1/2/3, FSDP2, offload): tensor and pipeline
+parallel would change the job itself (fewer replicas, so a smaller global batch, or more
+accumulation to keep it), which the user asks for with their own flags. The choice depends
+only on the flags, the model's config and the devices, so a resumed run gets the same layout.
 """
 
 import importlib.util
@@ -62,11 +67,20 @@ def resolve_auto_strategy(cfg, command: str, argv: list[str]) -> list[str]:
     except SwiftLMError as exc:
         print(f"--strategy auto: could not plan ({exc}); using DDP", flush=True)
         return [*_without_strategy(argv), "--strategy", "ddp"]
-    fitting = [c for c in plan.fitting if not (no_deepspeed and c.layout.deepspeed)]
-    chosen = fitting[0] if fitting else min(plan.candidates, key=lambda c: c.memory.peak)
+    usable = [c for c in plan.candidates if _applicable(c.layout, no_deepspeed)]
+    fitting = [c for c in plan.fitting if _applicable(c.layout, no_deepspeed)]
+    if not usable:
+        print("--strategy auto: no data-parallel layout to compare; using DDP", flush=True)
+        return [*_without_strategy(argv), "--strategy", "ddp"]
+    chosen = fitting[0] if fitting else min(usable, key=lambda c: c.memory.peak)
     runner_up = fitting[1] if len(fitting) > 1 else None
     print(auto_line(chosen, runner_up, fits=bool(fitting), change=plan.change), flush=True)
     return [*_without_strategy(argv), *chosen.layout.sft_flags()]
+
+
+def _applicable(layout, no_deepspeed: bool) -> bool:
+    """A data-parallel layout this environment can run (DeepSpeed only when installed)."""
+    return layout.tp == 1 and layout.pp == 1 and not (no_deepspeed and layout.deepspeed)
 
 
 def auto_line(chosen, runner_up, fits: bool, change: str) -> str:

@@ -32,6 +32,20 @@ class DeviceSpec:
     baseline_deepspeed_bytes: float = 0.0  # the same with DeepSpeed imported
     collective_latency: float = 10e-6  # seconds per collective (CPU: measured by the probe)
     fp32_flops: float = 0.0  # CPU: matmul FLOP/s in float32 (full weights stay float32)
+    # Bus bandwidth of reduce-scatter and all-gather inside a node when it differs from the
+    # all-reduce's (gloo, measured by the probe); None: the same (NCCL's rings).
+    reduce_scatter_bandwidth: float | None = None
+    allgather_bandwidth: float | None = None
+
+    def bandwidth(self, collective: str, spans_nodes: bool = False) -> float:
+        """Bus bandwidth of `collective` ("all_reduce", "reduce_scatter", "all_gather")."""
+        if spans_nodes:
+            return self.inter_bandwidth
+        own = {
+            "reduce_scatter": self.reduce_scatter_bandwidth,
+            "all_gather": self.allgather_bandwidth,
+        }
+        return own.get(collective) or self.intra_bandwidth
 
 
 def _gpu(name, flops, memory_gb, hbm_tbs, intra, intra_gbs, inter, inter_gbs) -> DeviceSpec:

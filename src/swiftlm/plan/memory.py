@@ -25,7 +25,7 @@ optimizer step (gradients, one float32 temporary per trained weight of foreach A
 CPUs, or the loading of the model if that is higher.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swiftlm.plan.devices import DeviceSpec
 from swiftlm.plan.layouts import DDP, FSDP2, ZERO1, ZERO3, Layout
@@ -37,6 +37,16 @@ DEEPSPEED_BUCKET_ELEMENTS = 5e8  # reduce_bucket_size in the built-in zero*.json
 DEEPSPEED_LIVE_ELEMENTS = 1e9  # ZeRO-3's stage3_max_live_parameters default
 FUSED_CE_CHUNK_ELEMENTS = 2**24  # losses/fused_ce.py: one chunk of float32 logits
 FUSED_CE_MIN_ROWS = 64
+# CPUs (glibc malloc): the forward's freed temporaries stay in the process's heap, between the
+# tensors autograd saves, so the resident memory of a forward grows by this multiple of what
+# it saves (measured on SmolLM2-135M: 1.70x for LoRA 4x512 tokens, 1.67x for 4x128, 1.6x for
+# full 2x256; tests/slow/test_plan_accuracy.py). With checkpointing the recomputed blocks'
+# temporaries leave this share of the un-checkpointed saved bytes (0.33x LoRA, 0.6x full).
+CPU_HEAP_RETAINED = 1.7
+CPU_HEAP_CHECKPOINTED = 0.4
+# CPUs: oneDNN keeps a packed copy of each weight cast for its bf16 matmuls next to autocast's
+# cast (a full SmolLM2 forward of 16 tokens grows by 0.62 GiB: twice 2 bytes per parameter).
+CPU_CAST_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,23 @@ def activation_bytes(shape: ModelShape, job: Job, layers: int, tp: int = 1, in_f
     return tokens * layers * per_token
 
 
+def _cpu_heap_retained(shape: ModelShape, job: Job, layers: int, tp: int, in_flight) -> float:
+    """The forward's freed temporaries that a CPU process keeps resident (see CPU_HEAP_*)."""
+    saved = activation_bytes(shape, replace(job, checkpointing=False), layers, tp, in_flight)
+    share = CPU_HEAP_CHECKPOINTED if job.checkpointing else CPU_HEAP_RETAINED - 1
+    return share * saved
+
+
+def _cpu_unsharded_blocks(shape: ModelShape, layout: Layout, job: Job, dp: int) -> float:
+    """ZeRO-3 and FSDP2 on CPUs: every rank loaded the whole model before sharding it; the
+    decoder blocks' weights it then frees are small allocations that glibc keeps in the heap
+    under the live tensors (the embeddings and head, tens of MB each, are mapped on their own
+    and go back to the system)."""
+    blocks = shape.total_params - shape.embedding_params - shape.head_params
+    loaded = FP32 if (job.full or job.compute_bytes == FP32) else job.compute_bytes
+    return blocks / layout.tp / layout.pp * loaded * (1 - 1 / dp)
+
+
 def logits_bytes(shape: ModelShape, job: Job) -> float:
     """The LM head's vocab-sized tensors at their peak, and the hidden-state gradient the
     fused loss keeps from forward to backward."""
@@ -152,12 +179,18 @@ def estimate_memory(shape: ModelShape, layout: Layout, job: Job, device: DeviceS
     layers = _layers_on_device(shape, layout)
     in_flight = min(layout.pp, job.grad_accum) if layout.pp > 1 else 1
     activations = activation_bytes(shape, job, layers, layout.tp, in_flight)
+    if device.kind == "cpu":
+        activations += _cpu_heap_retained(shape, job, layers, layout.tp, in_flight)
     cast_copies = 0.0
     gpu_fsdp2 = layout.sharding == FSDP2 and device.kind == "gpu"  # gathers in bf16 itself
     if job.compute_bytes < FP32 and not layout.deepspeed and not gpu_fsdp2:
         cast_copies = job.compute_bytes * trained  # autocast caches casts of trained leaves
+        if device.kind == "cpu":
+            cast_copies *= CPU_CAST_COPIES
     if job.grad_accum > 1:
         activations += gradients  # earlier micro-batches' gradients stay during forward
+    if device.kind == "cpu" and layout.shards_weights and dp > 1:
+        weights += _cpu_unsharded_blocks(shape, layout, job, dp)
     return Memory(
         weights=weights,
         gradients=gradients,

@@ -19,7 +19,7 @@ from swiftlm.plan.memory import DDP_BUCKET_BYTES, FP32, Job
 from swiftlm.plan.shape import ModelShape
 
 GPU_EFFICIENCY = 0.45
-CPU_EFFICIENCY = 0.05
+CPU_EFFICIENCY = 0.08
 # Bytes per trained parameter an AdamW step reads and writes: weight, gradient, two moments
 # (read and write) and foreach's temporary.
 ADAM_BYTES_PER_PARAM = 40
@@ -113,15 +113,18 @@ def _communication(shape: ModelShape, layout: Layout, job: Job, cluster: Cluster
     seconds = 0.0
     if n > 1:
         ring = (n - 1) / n
+        all_reduce = device.bandwidth("all_reduce", spans_nodes)
+        scatter = device.bandwidth("reduce_scatter", spans_nodes)
+        gather = device.bandwidth("all_gather", spans_nodes)
         if layout.sharding == DDP:
-            seconds = 2 * ring * FP32 * trained / bandwidth
+            seconds = 2 * ring * FP32 * trained / all_reduce
         elif layout.sharding == FSDP2:  # gather per block forward and backward, scatter grads
             gathered = a if device.kind == "gpu" else FP32  # CPU: no low-precision params
-            seconds = ring * (2 * gathered * total + FP32 * trained) / bandwidth
+            seconds = ring * (2 * gathered * total / gather + FP32 * trained / scatter)
         elif layout.sharding == ZERO3:
-            seconds = ring * (2 * a * total + a * trained) / bandwidth
+            seconds = ring * (2 * a * total / gather + a * trained / scatter)
         else:  # ZeRO-1/2: reduce-scatter gradients, all-gather updated weights
-            seconds = 2 * ring * a * trained / bandwidth
+            seconds = ring * a * trained * (1 / scatter + 1 / gather)
         if layout.sharding in (DDP, FSDP2) and device.kind == "gpu":
             seconds *= 1 - OVERLAPPED
     seconds += _collectives(shape, layout, job) * device.collective_latency
