@@ -128,3 +128,17 @@ def test_strategy_auto_with_two_processes_runs_the_planned_layout(
     for flag, value in values.items():  # every worker parsed the planned flags
         assert str(saved[flag.removeprefix("--")]).lower() == value.lower(), (flag, saved)
     assert (out / "final").is_dir()
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm plan --model` a vision-language model (or `--strategy auto` with one)",
+    outcome="Exit 2 saying the planner models text LMs only and naming the strategy flags; "
+    "--strategy auto says it could not plan and uses DDP",
+)
+def test_a_vision_language_model_is_not_planned(tmp_path, capsys):
+    from vlm_helpers import build_llava
+
+    folder = build_llava(tmp_path / "llava")
+    assert main(["plan", "--model", str(folder), "--devices", "2xA100-80G"]) == 2
+    err = capsys.readouterr().err
+    assert "vision-language model (llava)" in err and "--strategy" in err

@@ -53,7 +53,9 @@ def test_the_window_is_traced_and_the_top_operators_are_written(tmp_path):
     (summary,) = lines
     assert summary.startswith(f"profile of steps 2-3: {folder / 'trace.json'}")
     assert "https://ui.perfetto.dev" in summary
-    assert "aten::" in summary.splitlines()[1] and "%" in summary.splitlines()[1]
+    # the top operator by self CPU time: an aten op, or under load autograd's AccumulateGrad
+    top = summary.splitlines()[1]
+    assert ("aten::" in top or "autograd::" in top) and "%" in top, top
 
 
 def test_without_profile_nothing_is_written_nor_imported(tmp_path, monkeypatch):

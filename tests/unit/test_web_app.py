@@ -27,6 +27,10 @@ EMPTY_ANSWER = {
     input="`swiftlm web --api_key K`: a request without the key, or with a wrong one",
     outcome="401 (the login page for a page, JSON for the API), never a 5xx",
 )
+@pytest.mark.bad_input(
+    input="`swiftlm web --api_key K`: a page or API call without the key, or with a wrong one",
+    outcome="401 (the login page is the only route open); the key compared in constant time",
+)
 def test_every_route_but_the_login_page_needs_the_key(tmp_path):
     client = TestClient(create_app(tmp_path, api_key=KEY))
     assert client.get("/api/runs").status_code == 401

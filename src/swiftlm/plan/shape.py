@@ -48,6 +48,8 @@ def load_model_config(model: str | None):
     """(transformers config, display name) for `--model`, reading only metadata."""
     from transformers import AutoConfig
 
+    from swiftlm.models.vision import is_vision_language
+
     if model is None or str(model).endswith(".gguf"):
         from swiftlm.models.loader import default_model_file
 
@@ -60,9 +62,16 @@ def load_model_config(model: str | None):
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelLoadError(f"--model {model}: folder has no config.json")
     try:
-        return AutoConfig.from_pretrained(str(path) if path.is_dir() else model), path.name
+        config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model)
     except OSError as exc:
         raise ModelLoadError(f"--model {model}: could not read its config ({exc})") from None
+    if is_vision_language(config.model_type):
+        raise ConfigError(
+            f"--model {model}: a vision-language model ({config.model_type}); the planner "
+            "models text language models only (the vision tower's memory and time are not "
+            "counted). Choose the strategy with --strategy, --deepspeed or --fsdp."
+        )
+    return config, path.name
 
 
 def checkpoint_bytes(model: str | None, config, params: int) -> float:
@@ -86,8 +95,13 @@ def count_parameters(config, tuner: TunerArguments) -> tuple[int, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:  # transformers: no causal-LM class for this config
+        raise ModelLoadError(
+            f"the planner cannot build a {config.model_type} model as a causal LM ({exc})"[:300]
+        ) from None
     if tuner.train_type != "full":
         from peft import get_peft_model
 
