@@ -15,17 +15,20 @@ from swiftlm.serve.models import DeployPlan, parse_adapters, plan_deployment
 INSTALL_HINT = "pip install 'swiftlm[serve]'"
 
 
-def require_serve_extra() -> None:
+def require_serve_extra(
+    command: str = "deploy", modules: tuple[str, ...] = ("fastapi", "uvicorn", "prometheus_client")
+) -> None:
+    """A clear error naming the serve extra when `swiftlm <command>` lacks its modules."""
     missing = []
-    for name in ("fastapi", "uvicorn", "prometheus_client"):
+    for name in modules:
         try:
             __import__(name)
         except ImportError:
             missing.append(name)
     if missing:
         raise ConfigError(
-            f"swiftlm deploy needs {', '.join(missing)}, which could not be imported; install "
-            f"the serve extra with `{INSTALL_HINT}`"
+            f"swiftlm {command} needs {', '.join(missing)}, which could not be imported; "
+            f"install the serve extra with `{INSTALL_HINT}`"
         )
 
 

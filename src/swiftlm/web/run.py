@@ -9,22 +9,9 @@ from pathlib import Path
 
 from swiftlm.config import WebConfig
 from swiftlm.errors import ConfigError
+from swiftlm.serve.run import require_serve_extra
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def require_serve_extra() -> None:
-    missing = []
-    for name in ("fastapi", "uvicorn"):
-        try:
-            __import__(name)
-        except ImportError:
-            missing.append(name)
-    if missing:
-        raise ConfigError(
-            f"swiftlm web needs {', '.join(missing)}, which could not be imported; install the "
-            "serve extra with `pip install 'swiftlm[serve]'`"
-        )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -45,12 +32,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(cfg: WebConfig) -> None:
+    require_serve_extra("web", ("fastapi", "uvicorn"))  # before importing them
     import uvicorn
 
     from swiftlm.web.app import create_app
 
     args = cfg.web
-    require_serve_extra()
     runs_dir = Path(args.runs_dir).expanduser()
     runs_dir.mkdir(parents=True, exist_ok=True)
     sock = bind(args.host, args.port)
