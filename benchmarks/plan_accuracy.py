@@ -145,12 +145,13 @@ def worker_peaks(root_pid: int, peaks: dict) -> None:
     except psutil.NoSuchProcess:
         return
     for child in children:
-        try:
+        try:  # a worker may exit (or be a zombie) between listing and reading it
             rank = child.environ().get("RANK")
             status = Path(f"/proc/{child.pid}/status").read_text()
+            launcher = "swiftlm.distributed.torchrun" in " ".join(child.cmdline())
         except (psutil.Error, OSError):
             continue
-        if rank is None or "swiftlm.distributed.torchrun" in " ".join(child.cmdline()):
+        if rank is None or launcher:
             continue
         hwm = next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmHWM"))
         peaks[int(rank)] = max(peaks.get(int(rank), 0), hwm * 1024)
