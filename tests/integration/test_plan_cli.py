@@ -63,6 +63,13 @@ def test_plan_with_an_unknown_device_is_a_config_error(tiny_model_dir, capsys):
     assert "--devices 8xTPUv5" in err and "H100" in err and "MI300X" in err
 
 
+def test_a_missing_model_path_is_named(tmp_path, capsys):
+    """Not taken for a hub id: the folder is named as missing."""
+    missing = tmp_path / "no-such-model"
+    assert main(["plan", "--model", str(missing), "--devices", "8xH100"]) == 1
+    assert f"--model {missing}: not a model folder or .gguf file" in capsys.readouterr().err
+
+
 def test_strategy_auto_replaces_itself_with_the_plans_flags(tiny_model_dir, monkeypatch, capsys):
     from swiftlm.config import TrainConfig
     from swiftlm.config.parse import parse_config

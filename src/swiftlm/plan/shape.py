@@ -61,6 +61,8 @@ def load_model_config(model: str | None):
     path = Path(model).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelLoadError(f"--model {model}: folder has no config.json")
+    if not path.exists() and str(model).startswith((".", "/", "~")):  # as models/loader.py
+        raise ModelLoadError(f"--model {model}: not a model folder or .gguf file")
     try:
         config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model)
     except OSError as exc:
