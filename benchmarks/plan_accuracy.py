@@ -79,6 +79,7 @@ def configurations(quick: bool) -> list[Config]:
     grid += [
         Config(SMOL, "full", "FSDP2", checkpointing=True),
         Config(SMOL, "lora", "DDP", batch=4, max_length=512),
+        Config(SMOL, "lora", "DDP", checkpointing=True, batch=4, max_length=512),
         Config(SMOL, "lora", "ZeRO-3", checkpointing=True, batch=4, max_length=512),
         Config(LLAMA100M, "lora", "ZeRO-2", batch=4, max_length=512),
     ]
