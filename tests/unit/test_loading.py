@@ -299,8 +299,9 @@ def test_split_rejects_bad_ratio(ratio):
 
 
 def test_builtin_dataset_loads_with_placeholders_filled():
-    if not builtin_dataset_path("swiftlm/self-cognition").is_file():
-        pytest.skip("asset self_cognition.jsonl is not written yet (another engineer owns it)")
+    # The asset ships in the package (pyproject package-data); its absence is the regression.
+    path = builtin_dataset_path("swiftlm/self-cognition")
+    assert path.is_file(), f"packaged asset {path} is missing from the installed swiftlm"
     samples, report = load_samples(
         ["swiftlm/self-cognition"],
         partial(chat_sample, placeholders={"{{NAME}}": "Zork", "{{AUTHOR}}": "Acme"}),

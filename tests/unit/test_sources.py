@@ -3,6 +3,8 @@
 import json
 import sys
 import types
+from fnmatch import fnmatch
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,11 @@ from swiftlm.data.sources import (
     read_rows,
 )
 from swiftlm.errors import DataError
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
 
 
 def rows_of(path):
@@ -309,10 +316,23 @@ def test_builtin_dataset_names_resolve(name):
     path = builtin_dataset_path(name)
     assert path.name == BUILTIN_DATASETS[name]
     assert path.parent.name == "assets"
-    if not path.is_file():
-        pytest.skip(f"asset {path.name} is not written yet (another engineer owns it)")
+    # Every built-in name ships as package data; a missing file is the regression.
+    assert path.is_file(), f"packaged asset {path} for {name} is missing from the installed swiftlm"
     rows = list(read_rows(name))
     assert rows, f"{name} is empty"
     assert all(r.source == name and r.error is None for r in rows)
     assert [r.line for r in rows[:2]] == [1, 2]
     assert "messages" in rows[0].record
+
+
+def test_builtin_dataset_files_are_declared_as_package_data():
+    # An editable install reads the assets from src/, so the test above also passes when a
+    # wheel would leave them out; this checks the wheel's package-data globs name each one.
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["swiftlm"]
+    undeclared = [
+        name
+        for name, file in sorted(BUILTIN_DATASETS.items())
+        if not any(fnmatch(f"assets/{file}", glob) for glob in globs)
+    ]
+    assert undeclared == [], f"not in [tool.setuptools.package-data]: {undeclared}"
