@@ -20,6 +20,7 @@ from swiftlm.losses.causal_lm import (
     token_cross_entropy,
     token_cross_entropy_sum,
 )
+from tolerance import assert_close
 
 I = IGNORE_INDEX  # noqa: E741
 
@@ -30,6 +31,16 @@ LABELS = torch.tensor(
         [I, I, I, I, 2, I],  # a single loss token
     ]
 )
+V = 7  # the vocabulary of random_logits
+# A summed cross-entropy carries the log-softmax's sum over V and the sum over the label tokens
+# (9 of LABELS). A token's loss is (max - logit) + log(sum of exp(logit - max)), a sum >= 1 of
+# terms <= 1: its rounding is relative to 1 + the loss, so a sum's magnitude is sum + tokens.
+SUM_TERMS = V + count_label_tokens(LABELS)
+
+
+def ce_size(loss_sum, tokens: int) -> float:
+    """The magnitude behind a sum of `tokens` token cross-entropies (see SUM_TERMS)."""
+    return float(loss_sum) + tokens
 
 
 def reference_sum(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -66,34 +77,41 @@ def test_count_label_tokens():
     assert isinstance(count_label_tokens(LABELS), int)
 
 
+@pytest.mark.numerics
 def test_cross_entropy_sum_matches_hand_written_reference():
     logits = random_logits()
     got = token_cross_entropy_sum(logits, LABELS)
     assert got.dtype == torch.float32 and got.ndim == 0
     expected = reference_sum(logits, LABELS)
-    assert math.isclose(float(got), expected, rel_tol=1e-6)
+    size = ce_size(expected, count_label_tokens(LABELS))
+    assert_close(got, expected, terms=SUM_TERMS, magnitude=size, what="loss sum")
     # Per row too, so a bug that mixes rows cannot cancel out.
     for b in range(LABELS.shape[0]):
         row = token_cross_entropy_sum(logits[b : b + 1], LABELS[b : b + 1])
-        assert math.isclose(
-            float(row), reference_sum(logits[b : b + 1], LABELS[b : b + 1]), rel_tol=1e-6
-        )
+        want = reference_sum(logits[b : b + 1], LABELS[b : b + 1])
+        size = ce_size(want, count_label_tokens(LABELS[b : b + 1]))
+        assert_close(row, want, terms=SUM_TERMS, magnitude=size, what=f"row {b} loss sum")
 
 
+@pytest.mark.numerics
 def test_cross_entropy_sum_of_known_value():
     # Uniform logits: every label token costs log(V).
     logits = torch.zeros(1, 4, 5)
     labels = torch.tensor([[I, 1, 2, 3]])
-    assert math.isclose(
-        float(token_cross_entropy_sum(logits, labels)), 3 * math.log(5), rel_tol=1e-6
-    )
+    got = token_cross_entropy_sum(logits, labels)
+    want = 3 * math.log(5)  # V 5, 3 label tokens
+    assert_close(got, want, terms=5 + 3, magnitude=ce_size(want, 3), what="loss sum")
 
 
+@pytest.mark.numerics
 def test_cross_entropy_sum_upcasts_low_precision_logits():
     logits = random_logits(seed=1).to(torch.bfloat16)
     got = token_cross_entropy_sum(logits, LABELS)
     assert got.dtype == torch.float32
-    assert math.isclose(float(got), reference_sum(logits, LABELS), rel_tol=1e-6)
+    # float32 rounding of the bf16 values: a sum in bf16 would be off by ~eps(bf16) = 7.8e-3.
+    want = reference_sum(logits, LABELS)
+    size = ce_size(want, count_label_tokens(LABELS))
+    assert_close(got, want, terms=SUM_TERMS, magnitude=size, what="loss sum")
 
 
 def test_cross_entropy_sum_with_no_label_tokens_is_zero():
@@ -101,6 +119,7 @@ def test_cross_entropy_sum_with_no_label_tokens_is_zero():
     assert float(token_cross_entropy_sum(logits, torch.full((3, 6), I))) == 0.0
 
 
+@pytest.mark.numerics
 def test_causal_lm_loss_uses_the_model_logits():
     logits = random_logits(seed=2)
     seen = {}
@@ -120,7 +139,9 @@ def test_causal_lm_loss_uses_the_model_logits():
     assert seen["input_ids"] is batch["input_ids"]
     assert seen["attention_mask"] is batch["attention_mask"]
     assert seen["use_cache"] is False  # a cache would hide packed sample boundaries
-    assert math.isclose(float(loss_sum), reference_sum(logits, LABELS), rel_tol=1e-6)
+    want = reference_sum(logits, LABELS)
+    size = ce_size(want, count_label_tokens(LABELS))
+    assert_close(loss_sum, want, terms=SUM_TERMS, magnitude=size, what="loss sum")
 
 
 # ---- gradient accumulation ------------------------------------------------------------------
@@ -148,9 +169,14 @@ def full_batch_mean_loss(features, weight):
     return loss
 
 
+@pytest.mark.numerics
 def test_accumulated_sums_equal_full_batch_mean_gradient():
     features, weight = linear_setup()
     n_total = count_label_tokens(LABELS)
+    # Each gradient element is a mean over the label tokens of feature * (softmax - one-hot),
+    # terms of either sign each below max|feature|; its chain: the 4 features of the matmul,
+    # the softmax over V, the sum over the 18 positions.
+    terms, size = 4 + V + LABELS.numel(), float(features.abs().max())
 
     def accumulated(w):
         for b in range(LABELS.shape[0]):  # micro-batches of one row, unequal token counts
@@ -166,8 +192,8 @@ def test_accumulated_sums_equal_full_batch_mean_gradient():
 
     expected = grad_of(lambda w: full_batch_mean_loss(features, w), weight)
     got = grad_of(accumulated, weight)
-    assert torch.allclose(got, expected, rtol=0, atol=1e-6)
-    # The check can tell: with unequal token counts the naive mean differs.
+    assert_close(got, expected, terms=terms, magnitude=size, what="accumulated gradient")
+    # The check can tell: with unequal token counts the naive mean differs (by ~100x the bound).
     assert (grad_of(naive, weight) - expected).abs().max() > 1e-3
 
     # Split into micro-batches of 2 + 1 rows: same gradient.
@@ -176,7 +202,8 @@ def test_accumulated_sums_equal_full_batch_mean_gradient():
             loss_sum = token_cross_entropy_sum(features[rows] @ w, LABELS[rows])
             (loss_sum / n_total).backward()
 
-    assert torch.allclose(grad_of(two_micro_batches, weight), expected, rtol=0, atol=1e-6)
+    got = grad_of(two_micro_batches, weight)
+    assert_close(got, expected, terms=terms, magnitude=size, what="2 + 1 rows gradient")
 
 
 # ---- per-token and per-sequence losses ------------------------------------------------------
@@ -194,15 +221,19 @@ def reference_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.
     return out
 
 
+@pytest.mark.numerics
 def test_token_cross_entropy_matches_hand_written_reference():
     for logits in (random_logits(), random_logits(seed=1).to(torch.bfloat16)):
         got = token_cross_entropy(logits, LABELS)
         assert got.dtype == torch.float32 and got.shape == LABELS.shape
         expected = reference_token_losses(logits, LABELS)
-        assert torch.allclose(got.double(), expected, rtol=1e-6, atol=0)
+        size = ce_size(expected.max(), 1)  # a log-softmax over V
+        assert_close(got, expected, terms=V, magnitude=size, what="token losses")
         assert (got[shifted_labels(LABELS) == I] == 0).all()
-        total = float(token_cross_entropy_sum(logits, LABELS))
-        assert math.isclose(float(got.sum()), total, rel_tol=1e-6)
+        total = token_cross_entropy_sum(logits, LABELS)
+        size = ce_size(total, count_label_tokens(LABELS))
+        terms = V + LABELS.numel()
+        assert_close(got.sum(), total, terms=terms, magnitude=size, what="sum of token losses")
 
 
 def embedding_model(vocab=7, seed=0):
@@ -216,13 +247,16 @@ def embedding_model(vocab=7, seed=0):
     return model
 
 
+@pytest.mark.numerics
 def test_causal_lm_loss_token_reduction():
     model = embedding_model()
     batch = {"input_ids": LABELS.clamp(min=0), "labels": LABELS}
     losses, metrics = causal_lm_loss(model, batch, reduction="token")
     assert metrics == {} and losses.shape == LABELS.shape
     logits = model(batch["input_ids"], use_cache=False).logits
-    assert torch.allclose(losses.double(), reference_token_losses(logits, LABELS), rtol=1e-6)
+    expected = reference_token_losses(logits, LABELS)
+    size = ce_size(expected.max(), 1)  # a log-softmax over V
+    assert_close(losses, expected, terms=V, magnitude=size, what="token losses")
     with pytest.raises(ValueError, match="reduction must be one of"):
         causal_lm_loss(model, batch, reduction="mean")
 
@@ -266,6 +300,7 @@ def test_sequence_ids_of_padded_and_packed_batches():
     assert count_sequences(torch.full((2, 3), -1)) == 0
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("packed", [False, True])
 def test_sequence_sums_of_a_batch_equal_sample_by_sample_sums(packed):
     model = embedding_model()
@@ -275,5 +310,7 @@ def test_sequence_sums_of_a_batch_equal_sample_by_sample_sums(packed):
     ids = sequence_ids_from_batch(batch)
     sums = sequence_sums(losses, ids, count_sequences(ids))
     assert sums.shape == (3,) and all(e > 0 for e in expected)
-    for got, want in zip(sums.tolist(), expected, strict=True):
-        assert math.isclose(got, want, rel_tol=1e-6)
+    terms = V + batch["labels"].shape[1]  # a log-softmax over V, a sum over a row's positions
+    for got, want, sample in zip(sums.tolist(), expected, SAMPLES, strict=True):
+        size = ce_size(want, len(sample["labels"]))
+        assert_close(got, want, terms=terms, magnitude=size, what="sequence sum")
