@@ -21,12 +21,17 @@ from swiftlm.losses.preference import (
     simpo_losses,
     weighted_dpo_losses,
 )
+from tolerance import assert_close
 
 B = 5
 SEEDS = range(4)
 BETAS = (0.1, 0.5)
 SMOOTHINGS = (0.0, 0.2)
-TOL = 1e-9
+
+# Each loss is a short float64 chain on log-probs of size up to 50: the log-ratios' differences
+# (3 additions), the scaling, a log-sigmoid's exp and log1p, a two-term smoothing or weighting:
+# at most 8 roundings deep (the references' chains are the same formulas, written with `math`).
+TERMS = 8
 
 
 def sig(x):
@@ -99,12 +104,26 @@ def ref_dpo(c, r, c0, r0, beta, loss_type, ls, tau, shift=0.0):
     return out
 
 
-def assert_close(got: torch.Tensor, expected: list[float]):
-    assert got.shape == (len(expected),)
-    for g, e in zip(got.tolist(), expected, strict=True):
-        assert abs(g - e) <= TOL, (g, e)
+def magnitude(loss_fn, inputs, extra: float = 0.0) -> float:
+    """What the rounding of a loss is relative to: its own size, plus each input's size carried
+    by the loss's slope, sum |dL/dx| |x| (a rounding relative to the inputs, as in their
+    differences, moves the loss by that), plus `extra` for a cancellation inside the formula."""
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    losses = loss_fn(*xs)
+    grads = torch.autograd.grad(losses.sum(), xs)
+    carried = sum(float((g * x.detach()).abs().sum()) for g, x in zip(grads, xs, strict=True))
+    return float(losses.detach().abs().max()) + carried + extra
 
 
+def check(loss_fn, inputs, expected: list[float], what: str, extra: float = 0.0):
+    """Assert loss_fn(*inputs) (float64) equals the scalar reference up to its rounding."""
+    got = loss_fn(*inputs)
+    assert got.shape == (len(expected),) and got.dtype == torch.float64
+    size = magnitude(loss_fn, inputs, extra)
+    assert_close(got, expected, terms=TERMS, magnitude=size, dtype=torch.float64, what=what)
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
 def test_dpo_losses_match_scalar_reference(loss_type):
     for seed in SEEDS:
@@ -113,20 +132,25 @@ def test_dpo_losses_match_scalar_reference(loss_type):
         for beta in BETAS:
             for ls in SMOOTHINGS:
                 tau = 0.05 if seed % 2 else 0.5
-                got = dpo_losses(
-                    *tensors, beta=beta, loss_type=loss_type, label_smoothing=ls, discopop_tau=tau
-                )
-                assert got.dtype == torch.float64
-                assert_close(got, ref_dpo(*floats, beta, loss_type, ls, tau))
+
+                def loss(*xs, beta=beta, ls=ls, tau=tau):
+                    return dpo_losses(
+                        *xs, beta=beta, loss_type=loss_type, label_smoothing=ls, discopop_tau=tau
+                    )
+
+                expected = ref_dpo(*floats, beta, loss_type, ls, tau)
+                check(loss, tensors, expected, f"{loss_type} seed {seed} beta {beta} ls {ls}")
 
 
+@pytest.mark.numerics
 def test_dpo_sigmoid_at_reference_is_ln2():
     torch.manual_seed(0)
     c = -(5 + 45 * torch.rand(8))
     r = -(5 + 45 * torch.rand(8))
     loss = dpo_losses(c, r, c.clone(), r.clone(), beta=0.1)
     assert loss.dtype == torch.float32
-    assert torch.allclose(loss, torch.full_like(loss, math.log(2)), rtol=0, atol=1e-6)
+    # The log-ratios cancel exactly (x - x = 0): only the log-sigmoid of 0 rounds.
+    assert_close(loss, [math.log(2)] * 8, terms=1, what="loss at the reference")
 
 
 def test_dpo_unknown_loss_type_names_accepted():
@@ -141,32 +165,47 @@ def test_dpo_unknown_loss_type_names_accepted():
         cpo_losses(c, c, beta=0.1, loss_type="simpo")
 
 
+@pytest.mark.numerics
 def test_dpo_rewards_detached():
     c, _, c0, _ = pairs(0)
     c.requires_grad_(True)
     rewards = dpo_rewards(c, c0, 0.25)
     assert not rewards.requires_grad
-    assert_close(rewards, [0.25 * (a - b) for a, b in zip(c.tolist(), c0.tolist(), strict=True)])
+    expected = [0.25 * (a - b) for a, b in zip(c.tolist(), c0.tolist(), strict=True)]
+    size = float(0.25 * (c.detach().abs() + c0.abs()).max())  # one difference, one product
+    assert_close(rewards, expected, terms=2, magnitude=size, dtype=torch.float64, what="rewards")
 
 
+@pytest.mark.numerics
 def test_simpo_and_cpo_match_scalar_reference():
     for seed in SEEDS:
         c, r = logps(seed) / 40, logps(seed + 100) / 40  # average log-probs
         cf, rf = c.tolist(), r.tolist()
         for beta in BETAS:
             for ls in SMOOTHINGS:
-                got = simpo_losses(c, r, beta=beta, gamma=0.5, label_smoothing=ls)
                 h = [a - b - 0.5 / beta for a, b in zip(cf, rf, strict=True)]
-                assert_close(got, [smoothed(beta * x, ls) for x in h])
+                check(
+                    lambda c, r, beta=beta, ls=ls: simpo_losses(
+                        c, r, beta=beta, gamma=0.5, label_smoothing=ls
+                    ),
+                    [c, r], [smoothed(beta * x, ls) for x in h], "simpo",
+                )  # fmt: skip
                 d = [a - b for a, b in zip(cf, rf, strict=True)]
-                got = cpo_losses(c, r, beta=beta, label_smoothing=ls)
-                assert_close(got, [smoothed(beta * x, ls) for x in d])
-            got = cpo_losses(c, r, beta=beta, loss_type="hinge")
-            assert_close(got, [max(0.0, 1 - beta * x) for x in d])
-            got = cpo_losses(c, r, beta=beta, loss_type="ipo")
-            assert_close(got, [(x - 1 / (2 * beta)) ** 2 for x in d])
+                check(
+                    lambda c, r, beta=beta, ls=ls: cpo_losses(c, r, beta=beta, label_smoothing=ls),
+                    [c, r], [smoothed(beta * x, ls) for x in d], "cpo",
+                )  # fmt: skip
+            check(
+                lambda c, r, beta=beta: cpo_losses(c, r, beta=beta, loss_type="hinge"),
+                [c, r], [max(0.0, 1 - beta * x) for x in d], "cpo hinge",
+            )  # fmt: skip
+            check(
+                lambda c, r, beta=beta: cpo_losses(c, r, beta=beta, loss_type="ipo"),
+                [c, r], [(x - 1 / (2 * beta)) ** 2 for x in d], "cpo ipo",
+            )  # fmt: skip
 
 
+@pytest.mark.numerics
 def test_orpo_matches_scalar_reference():
     def log_odds(x):
         return x - math.log1p(-math.exp(x))
@@ -176,30 +215,41 @@ def test_orpo_matches_scalar_reference():
         c = logps(seed, low=1e-4, high=3.0)
         r = logps(seed + 100, low=1e-4, high=3.0)
         for beta in BETAS:
-            got = orpo_losses(c, r, beta=beta)
             expected = [
                 -beta * logsig(log_odds(a) - log_odds(b))
                 for a, b in zip(c.tolist(), r.tolist(), strict=True)
             ]
-            assert_close(got, expected)
+            # The reference's log1p(-exp(x)) subtracts from 1 a number near 1 (the 2 of what is
+            # added), which the log then divides by 1 - exp(x): a rounding of 2 / (1 - exp(x)),
+            # scaled by beta and the log-sigmoid's slope (at most 1).
+            cancelled = float(beta * (2 / -torch.expm1(c) + 2 / -torch.expm1(r)).max())
+            check(
+                lambda c, r, beta=beta: orpo_losses(c, r, beta=beta),
+                [c, r], expected, f"orpo seed {seed}", extra=cancelled,
+            )  # fmt: skip
 
 
+@pytest.mark.numerics
 def test_kto_matches_scalar_reference():
     for seed in SEEDS:
         policy, ref = logps(seed), logps(seed) + 0.5 * torch.randn(B, dtype=torch.float64)
         desirable = torch.rand(B) < 0.5
         kl = torch.tensor(0.3 * seed, dtype=torch.float64)
         for beta in BETAS:
-            got = kto_losses(
-                policy, ref, kl, desirable, beta=beta, desirable_weight=1.5, undesirable_weight=0.7
-            )
+
+            def loss(policy, ref, kl, beta=beta, desirable=desirable):
+                return kto_losses(
+                    policy, ref, kl, desirable, beta=beta, desirable_weight=1.5,
+                    undesirable_weight=0.7,
+                )  # fmt: skip
+
             expected = []
             for p, q, d in zip(policy.tolist(), ref.tolist(), desirable.tolist(), strict=True):
                 u, k = p - q, float(kl)
                 expected.append(
                     1.5 * (1 - sig(beta * (u - k))) if d else 0.7 * (1 - sig(beta * (k - u)))
                 )
-            assert_close(got, expected)
+            check(loss, [policy, ref, kl], expected, f"kto seed {seed} beta {beta}")
 
 
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
@@ -237,40 +287,58 @@ def test_the_loss_type_flag_offers_exactly_the_implemented_losses():
     assert sections_rlhf.LOSS_TYPES["kto"] == KTO_LOSS_TYPES
 
 
+@pytest.mark.numerics
 def test_bco_pair_with_a_shift_matches_scalar_reference():
     for seed in SEEDS:
         tensors = pairs(seed)
         floats = [t.tolist() for t in tensors]
         for beta in BETAS:
             for shift in (-0.7, 0.0, 1.3):
-                got = dpo_losses(*tensors, beta=beta, loss_type="bco_pair", bco_shift=shift)
-                assert_close(got, ref_dpo(*floats, beta, "bco_pair", 0.0, 0.05, shift))
+                check(
+                    lambda *xs, beta=beta, shift=shift: dpo_losses(
+                        *xs, beta=beta, loss_type="bco_pair", bco_shift=shift
+                    ),
+                    tensors, ref_dpo(*floats, beta, "bco_pair", 0.0, 0.05, shift),
+                    f"bco_pair shift {shift}",
+                )  # fmt: skip
 
 
+@pytest.mark.numerics
 def test_bco_batch_reward_is_the_mean_over_both_answers_without_padding():
     c, r, c0, r0 = pairs(2)
     beta = 0.2
     policy, reference = c.tolist() + r.tolist(), c0.tolist() + r0.tolist()
     rewards = [beta * (a - b) for a, b in zip(policy, reference, strict=True)]
-    assert bco_batch_reward(c, r, c0, r0, beta=beta).item() == pytest.approx(
-        sum(rewards) / len(rewards), abs=TOL
-    )
+    # A mean of 2B rewards of either sign, each a scaled difference: its magnitude is the mean
+    # of beta (|a| + |b|); its chain the difference, the product and the sum of 2B values.
+    size = beta * sum(abs(a) + abs(b) for a, b in zip(policy, reference, strict=True)) / (2 * B)
+    terms = 2 + 2 * B
+    got = bco_batch_reward(c, r, c0, r0, beta=beta)
+    want = sum(rewards) / len(rewards)
+    assert_close(got, want, terms=terms, magnitude=size, dtype=torch.float64, what="mean reward")
     weight = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])  # pairs 2 and 4 are padding
     kept = [rewards[i] for i in (0, 1, 3)] + [rewards[B + i] for i in (0, 1, 3)]
-    got = bco_batch_reward(c, r, c0, r0, beta=beta, weight=weight).item()
-    assert got == pytest.approx(sum(kept) / 6, abs=TOL)
+    got = bco_batch_reward(c, r, c0, r0, beta=beta, weight=weight)
+    # (the mean over the 2B values bounds the 6 kept ones' mean times 2B / 6)
+    size, want = size * 2 * B / 6, sum(kept) / 6
+    assert_close(got, want, terms=terms, magnitude=size, dtype=torch.float64, what="kept mean")
 
 
+@pytest.mark.numerics
 def test_running_mean_is_the_average_of_the_values_seen():
     """TRL's RunningMoments with a count of 1 per update and an initial count of 1e-24."""
     values = [0.5, -1.25, 2.0, 0.125]
+    # Each update adds (x - mean) / k, both below 2 max|x|: 3 roundings an update, float64.
+    size, terms = 2 * max(abs(v) for v in values), 3 * len(values)
     running, trl_mean, trl_count = RunningMean(), 0.0, 1e-24
     for k, value in enumerate(values, start=1):
         got = running.update(value)
         delta = value - trl_mean
         trl_count, trl_mean = trl_count + 1, trl_mean + delta * 1 / (trl_count + 1)
-        assert got == pytest.approx(sum(values[:k]) / k, abs=1e-12)
-        assert got == pytest.approx(trl_mean, abs=1e-12)
+        for want in (sum(values[:k]) / k, trl_mean):
+            assert_close(
+                got, want, terms=terms, magnitude=size, dtype=torch.float64, what=f"mean of {k}"
+            )
 
 
 def test_weighted_dpo_losses_are_the_weighted_sum_of_each_loss():
@@ -281,24 +349,29 @@ def test_weighted_dpo_losses_are_the_weighted_sum_of_each_loss():
     )  # fmt: skip
     sigmoid = dpo_losses(*tensors, beta=0.1, loss_type="sigmoid")
     bco = dpo_losses(*tensors, beta=0.1, loss_type="bco_pair", bco_shift=0.4)
-    assert torch.allclose(got, 0.8 * sigmoid + 0.2 * bco, rtol=0, atol=TOL)
+    # The same products and the same sum in the same order: bit for bit.
+    assert torch.equal(got, 0.8 * sigmoid + 0.2 * bco)
     alone = weighted_dpo_losses(*tensors, loss_types=["hinge"], beta=0.1)
     assert torch.equal(alone, dpo_losses(*tensors, beta=0.1, loss_type="hinge"))
 
 
+@pytest.mark.numerics
 def test_apo_zero_unpaired_matches_scalar_reference_and_ignores_the_kl():
     for seed in SEEDS:
         policy, ref = logps(seed), logps(seed) + 0.5 * torch.randn(B, dtype=torch.float64)
         desirable = torch.rand(B) < 0.5
         for beta in BETAS:
-            got = kto_losses(
-                policy, ref, torch.tensor(5.0, dtype=torch.float64), desirable, beta=beta,
-                desirable_weight=1.5, undesirable_weight=0.7, loss_type="apo_zero_unpaired",
-            )  # fmt: skip
+
+            def loss(policy, ref, beta=beta, desirable=desirable):
+                return kto_losses(
+                    policy, ref, torch.tensor(5.0, dtype=torch.float64), desirable, beta=beta,
+                    desirable_weight=1.5, undesirable_weight=0.7, loss_type="apo_zero_unpaired",
+                )  # fmt: skip
+
             expected = [
                 1.5 * (1 - sig(beta * (p - q))) if d else 0.7 * sig(beta * (p - q))
                 for p, q, d in zip(policy.tolist(), ref.tolist(), desirable.tolist(), strict=True)
             ]
-            assert_close(got, expected)
+            check(loss, [policy, ref], expected, f"apo_zero_unpaired seed {seed}")
     with pytest.raises(ValueError, match="apo_zero_unpaired"):
         kto_losses(policy, ref, torch.tensor(0.0), desirable, beta=0.1, loss_type="sigmoid")
