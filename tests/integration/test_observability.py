@@ -8,6 +8,7 @@ readable from TensorBoard's event files.
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from swiftlm.cli.main import main
 from swiftlm.config.commands import TrainConfig
 from swiftlm.config.parse import parse_config
 from swiftlm.methods.sft import SFT
-from swiftlm.train import loop
+from swiftlm.monitor.step_time import StepTimer
+from swiftlm.train import loop, observe
 from swiftlm.train.run import run_method
 
 
@@ -70,21 +72,50 @@ def test_breakdown_accounts_for_the_step_time(wide_model_dir, chat_jsonl, tmp_pa
     assert set(logged[-1]["grad_norm_layers"]) == {"layers.0", "layers.1"}  # LoRA's layers
 
 
+# The slow loader's delay, in seconds of the step timer's clock: far more than any real phase of
+# these tiny steps takes on any machine, so where it lands is plain whatever the load.
+DELAY_S = 60.0
+
+
+class DelayClock:
+    """perf_counter plus the delays added to it: a slow loader that is not slept, so the test
+    reads where its delay went without a wall-clock tolerance."""
+
+    def __init__(self):
+        self.delays = 0
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self.delays * DELAY_S
+
+
 class SlowLoaderSFT(SFT):
-    """SFT whose batches take 40 ms more to collate: a slow data pipeline."""
+    """SFT whose batches take DELAY_S more to collate (on the step timer's clock): a slow data
+    pipeline."""
+
+    clock: DelayClock  # set by the test
 
     def collate(self, layout):
-        time.sleep(0.04)
+        self.clock.delays += 1
         return super().collate(layout)
 
 
-def test_a_slow_loader_shows_as_data_wait(wide_model_dir, chat_jsonl, tmp_path):
+def test_a_slow_loader_shows_as_data_wait(wide_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    clock = DelayClock()
+    monkeypatch.setattr(SlowLoaderSFT, "clock", clock, raising=False)
+    monkeypatch.setattr(observe, "StepTimer", partial(StepTimer, clock=clock))
     flags = dict(max_steps=6, logging_steps=3, per_device_train_batch_size=4)
     run_method(config(wide_model_dir, chat_jsonl, tmp_path / "fast", **flags), SFT)
+    assert clock.delays == 0  # the fast run ran on the real clock
     run_method(config(wide_model_dir, chat_jsonl, tmp_path / "slow", **flags), SlowLoaderSFT)
+    assert clock.delays == 6  # one micro-batch per step
     fast, slow = rows(tmp_path / "fast")[-1], rows(tmp_path / "slow")[-1]
-    assert slow["time/data_s"] == pytest.approx(0.04, abs=0.015)  # the sleep, once per step
-    assert fast["time/data_s"] < 0.01
+    # The delay is data wait, once per step (the real part of the phase is far below a delay),
+    # and no other phase holds any of it.
+    assert DELAY_S <= slow["time/data_s"] < 2 * DELAY_S
+    others = [k for k in slow if k.startswith("time/") and k not in ("time/data_s", "time/step_s")]
+    assert "time/forward_s" in others and all(slow[k] < DELAY_S for k in others), slow
+    # A loader that only indexes tokenized rows waits less than the step computes.
+    assert fast["time/data_s"] < fast["time/forward_s"] + fast["time/backward_s"]
     assert slow["share/data"] > fast["share/data"] + 0.15
     assert slow["goodput"] < fast["goodput"]
 
