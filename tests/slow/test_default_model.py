@@ -2,7 +2,6 @@
 `pytest -m slow`; the full default job takes a few minutes on 2 CPU cores."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -80,17 +79,20 @@ BF16_TOLERANCE = 1e-3
 PINNED_FILE = Path(__file__).with_name("pinned_default_job.json")
 
 
+def default_job_losses(tmp_path: Path) -> list[float]:
+    """The default job's first 5 logged losses; scripts/update_pins.py pins these."""
+    out = tmp_path / "pinned"
+    argv = ["sft", "--max_steps", "5", "--output_dir", str(out), "--report_to", "none"]
+    assert main([*argv, "--logging_steps", "1", "--save_steps", "100"]) == 0
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_default_job_first_five_losses_are_pinned(tmp_path):
     """The built-in default job (bf16) reproduces the losses recorded before the method/loop
     redesign, within 1e-3, under the suite's one torch thread (bf16 sums depend on how the
     matmuls are split over threads: two threads move the first loss by ~0.006).
-    `SWIFTLM_PIN_UPDATE=1` rewrites them."""
-    out = tmp_path / "pinned"
-    argv = ["sft", "--max_steps", "5", "--output_dir", str(out), "--report_to", "none"]
-    assert main([*argv, "--logging_steps", "1", "--save_steps", "100"]) == 0
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    if os.environ.get("SWIFTLM_PIN_UPDATE") == "1":
-        PINNED_FILE.write_text(json.dumps({"losses": losses}, indent=2) + "\n")
-        return
+    `scripts/update_pins.py bf16` rewrites them; this test only compares."""
+    losses = default_job_losses(tmp_path)
     pinned = json.loads(PINNED_FILE.read_text())["losses"]
+    assert len(losses) == len(pinned) == 5
     assert losses == pytest.approx(pinned, abs=BF16_TOLERANCE)
