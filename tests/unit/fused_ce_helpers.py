@@ -12,11 +12,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import make_tiny_llama
 from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.losses.causal_lm import causal_lm_loss
+from tolerance import assert_close
 
 N, H, V = 50, 16, 37  # V != H so that logits and weight shapes cannot be confused
 
-# bf16 keeps 8 bits of mantissa (relative rounding 2**-8 = 0.4%): against the float32
-# reference the loss may move by 1% and each gradient by 3% of its largest entry.
+# bf16 against float32 is a precision comparison, not one of summation order: autocast rounds
+# each input (hidden, weight, bias) and each logit to bf16's 8 bits (relative 2**-8 = 0.4%,
+# round to nearest: the same on every machine), so a logit moves by up to 3 such roundings of
+# its magnitude and a token's loss by sum_v |p_v - onehot_v| times that: at worst 6 * 2**-8 *
+# max|logit|, about 3% of the largest token loss of random_problem; what random signs give is
+# far less: measured 0.34% of the largest token loss (0.03% of their sum) and 0.6% of a
+# gradient's largest entry. The bounds sit between the two, 3x and 5x above what is measured,
+# and below what a float32 head would not show or a wrong target would (tens of percent).
 BF16_LOSS_RTOL = 1e-2
 BF16_GRAD_RTOL = 3e-2
 
@@ -34,6 +41,70 @@ def random_problem(seed=0, bias=False, ignored=0.3):
 def reference_loss(hidden, weight, bias, targets):
     logits = F.linear(hidden, weight, bias)
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# ---- rounding bounds (tests/tolerance.py) ---------------------------------------------------
+
+# A head problem's longest chain: the logits' matmul (H), the log-sum-exp (V), the gradients'
+# matmuls (V for a hidden row, N for the weight) and the sum over the rows (N).
+HEAD_TERMS = H + 2 * V + N
+
+
+def head_magnitudes(hidden, weight, bias, targets, scales=None) -> dict[str, float]:
+    """What the rounding of each result of a head problem is relative to (the sum of the
+    magnitudes of what is added, tests/tolerance.py), given `scales` [N], each token's
+    grad_output (1 for a plain sum):
+
+    - a logit z_v sums |h| |w_v| + |b_v|: A_v;
+    - a token's loss lse - z_t rounds relative to |lse| + |z_t|, and carries its logits'
+      roundings through its slope p - onehot: + sum_v |p_v - y_v| A_v ("token"; "loss" sums
+      them over the rows);
+    - d loss / d z_v = s (p_v - y_v) rounds relative to |s| |p_v - y_v| (1 + E), where
+      E = |lse| + 2 max A (a logit's rounding moves p by that, relatively): D;
+    - the gradients sum D |W| ("hidden"), D^T |H| ("weight"), D over the rows ("bias").
+    Each value is the largest of its entries."""
+    h, w = hidden.detach().double().reshape(-1, H), weight.detach().double()
+    b = bias.detach().double() if bias is not None else torch.zeros(w.shape[0], dtype=h.dtype)
+    t = targets.reshape(-1)
+    kept = t != IGNORE_INDEX
+    logits = h @ w.T + b
+    sizes = h.abs() @ w.abs().T + b.abs()
+    lse = logits.logsumexp(-1)
+    slope = logits.softmax(-1)
+    slope[kept, t[kept]] -= 1
+    slope = slope.abs() * kept.unsqueeze(1)
+    z_t = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+    token = (lse.abs() + z_t.abs() + (slope * sizes).sum(-1)) * kept
+    s = torch.ones(t.shape, dtype=h.dtype) if scales is None else scales.reshape(-1).double()
+    d = slope * (1 + lse.abs() + 2 * sizes.amax(-1)).unsqueeze(1) * s.abs().unsqueeze(1)
+    return {
+        "loss": float(token.sum()),
+        "token": float(token.max()),
+        "hidden": float((d @ w.abs()).max()),
+        "weight": float((d.T @ h.abs()).max()),
+        "bias": float(d.sum(0).max()),
+    }
+
+
+def assert_head_close(got, expected, magnitudes, key="loss", grads=(), expected_grads=()):
+    """The loss (or token losses, key "token") and the gradients of the hidden rows, the weight
+    and the bias (in that order, as many as given) of a head problem equal to the reference up
+    to their rounding (HEAD_TERMS, head_magnitudes)."""
+    assert_close(got, expected, terms=HEAD_TERMS, magnitude=magnitudes[key], what=key)
+    names = ("hidden", "weight", "bias")
+    for name, grad, want in zip(names, grads, expected_grads, strict=False):
+        assert_close(grad, want, terms=HEAD_TERMS, magnitude=magnitudes[name], what=name)
+
+
+def assert_grads_close(grads: dict, expected: dict, terms: int) -> None:
+    """Gradients through the tiny Llama equal up to the rounding of `terms` (backward_terms):
+    each entry sums terms of either sign over the tokens and the backward chain, whose size is
+    that of the tensor's largest entry."""
+    assert grads.keys() == expected.keys() and grads
+    for name, grad in grads.items():
+        want = expected[name]
+        size = float(want.abs().max())
+        assert_close(grad, want, terms=terms, magnitude=size, what=f"{name} gradient")
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
