@@ -15,19 +15,22 @@ def test_topk_sends_the_largest_magnitudes_and_keeps_the_rest_as_residual():
     assert positions.dtype == torch.int16 and values.dtype == torch.float16
     picked = sorted(zip(positions.view(-1).tolist(), values.view(-1).tolist(), strict=True))
     assert picked == [(1, -3.0), (3, 2.0)]
-    assert new_residual.tolist() == pytest.approx([0.1, 0.0, 0.0, 0.0, 0.7])
+    # Elementwise float32 sums, and fp16 values that hold -3 and 2 exactly: bit for bit.
+    corrected = grad + residual
+    assert torch.equal(new_residual, corrected * torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]))
     # sent + residual == corrected: nothing is lost, only delayed
     sent = gc.topk_decompress(5, values, positions, world_size=1)
-    assert (sent + new_residual).tolist() == pytest.approx((grad + residual).tolist())
-    assert grad.tolist() == pytest.approx([0.1, -3.0, 0.5, 2.0, -0.2])  # input untouched
+    assert torch.equal(sent + new_residual, corrected)
+    assert torch.equal(grad, torch.tensor([0.1, -3.0, 0.5, 2.0, -0.2]))  # input untouched
 
 
 def test_fp16_rounding_is_carried_in_the_residual():
     grad = torch.tensor([1.0001, 0.0])
     values, positions, residual = gc.topk_compress(grad, torch.zeros(2), ratio=0.5)
     sent = gc.topk_decompress(2, values, positions, world_size=1)
-    assert float(sent[0]) != 1.0001  # fp16 cannot hold it ...
-    assert float(sent[0] + residual[0]) == pytest.approx(1.0001, abs=1e-7)  # ... the residual does
+    assert float(sent[0]) != float(grad[0])  # fp16 cannot hold it ...
+    # ... the residual does: x - fp16(x) is exact (Sterbenz), and so is adding it back.
+    assert float(sent[0] + residual[0]) == float(grad[0])
 
 
 def test_large_buckets_are_cut_into_int16_blocks():
@@ -36,7 +39,8 @@ def test_large_buckets_are_cut_into_int16_blocks():
     values, positions, residual = gc.topk_compress(grad, torch.zeros(numel), ratio=0.1)
     assert positions.shape == (3, 2185) and int(positions.max()) < gc.BLOCK
     sent = gc.topk_decompress(numel, values, positions, world_size=1)
-    assert (sent + residual).tolist() == pytest.approx(grad.tolist(), abs=1e-6)
+    # Unsent entries are kept whole; a sent one splits exactly into fp16(x) + (x - fp16(x)).
+    assert torch.equal(sent + residual, grad)
     # about a tenth of the fp32 bytes
     assert gc.topk_payload_bytes(numel, 0.1) / (numel * 4) == pytest.approx(0.1, rel=0.02)
 
@@ -50,7 +54,8 @@ def test_error_feedback_eventually_sends_every_entry():
     for _ in range(steps):
         values, positions, residual = gc.topk_compress(grad, residual, ratio=0.25)
         total += gc.topk_decompress(4, values, positions, world_size=1)
-    assert (total + residual).tolist() == pytest.approx((steps * grad).tolist(), rel=1e-4)
+    # Sums of multiples of 1/8 (grad's entries) far below 2**24 / 8: every one exact.
+    assert torch.equal(total + residual, steps * grad)
     assert residual.abs().max() < 2 * grad.sum()  # bounded: it does not grow with the steps
     assert (total / steps).tolist() == pytest.approx(grad.tolist(), abs=0.01)
 
@@ -86,7 +91,7 @@ def test_residual_follows_its_parameter_when_ddp_rebuilds_the_buckets():
     state.keep_residual(first, torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]))
     # After the first step DDP lays the same parameters out in another order.
     rebuilt = FakeBucket([b, a])
-    assert state.residual_for(rebuilt).tolist() == pytest.approx([0.4, 0.5, 0.1, 0.2, 0.3])
+    assert torch.equal(state.residual_for(rebuilt), torch.tensor([0.4, 0.5, 0.1, 0.2, 0.3]))
 
 
 @pytest.mark.parametrize(
