@@ -6,7 +6,14 @@ import torch
 
 from swiftlm.engine.detokenize import IncrementalText, StopText
 from swiftlm.engine.protocol import SamplingParams
-from swiftlm.engine.sampling import RowState, apply_penalties, make_generator, next_tokens, warp
+from swiftlm.engine.sampling import (
+    RowState,
+    apply_penalties,
+    make_generator,
+    next_tokens,
+    sample_each,
+    warp,
+)
 
 VOCAB = 50
 
@@ -38,6 +45,7 @@ def hf_warped(scores: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     return scores
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -49,12 +57,14 @@ def hf_warped(scores: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     ],
 )
 def test_warping_matches_hf_processors(knobs):
+    """Bit for bit: the kept scores are scores / temperature either way, one correctly rounded
+    IEEE division, the same on every machine."""
     scores = logits()
     ours = warp(scores, [row(**knobs)])
     reference = hf_warped(scores, **knobs)
     assert torch.equal(torch.isfinite(ours), torch.isfinite(reference))
     kept = torch.isfinite(reference)
-    torch.testing.assert_close(ours[kept], reference[kept])
+    assert torch.equal(ours[kept], reference[kept])
 
 
 def test_top_p_on_a_flat_distribution_matches_hf(monkeypatch):
@@ -82,6 +92,7 @@ def test_rows_with_different_knobs_are_processed_as_if_alone():
         assert torch.equal(together[i : i + 1], warp(scores[i : i + 1], [row(**k)]))
 
 
+@pytest.mark.numerics
 def test_repetition_penalty_matches_hf_over_prompt_and_output():
     from transformers import RepetitionPenaltyLogitsProcessor
 
@@ -89,9 +100,11 @@ def test_repetition_penalty_matches_hf_over_prompt_and_output():
     state = row(output=(7, 7, 9), prompt=(1, 2, 3), repetition_penalty=1.8)
     seen = torch.tensor([[1, 2, 3, 7, 7, 9]])
     expected = RepetitionPenaltyLogitsProcessor(1.8)(seen, scores.clone())
-    torch.testing.assert_close(apply_penalties(scores, [state]), expected)
+    # One correctly rounded product or quotient per score: the same bits on every machine.
+    assert torch.equal(apply_penalties(scores, [state]), expected)
 
 
+@pytest.mark.numerics
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
     scores = logits()
     state = row(output=(7, 7, 9), prompt=(1, 7), presence_penalty=0.5, frequency_penalty=0.25)
@@ -99,7 +112,7 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     expected = scores.clone()
     expected[0, 7] -= 0.5 + 2 * 0.25
     expected[0, 9] -= 0.5 + 0.25
-    torch.testing.assert_close(out, expected)
+    assert torch.equal(out, expected)  # elementwise IEEE sums: the same bits on every machine
 
 
 def test_greedy_rows_take_the_argmax_and_top_k_1_is_greedy():
@@ -125,6 +138,47 @@ def test_draw_follows_the_distribution():
     picks = torch.cat([draw(probs, [generator]) for _ in range(4000)])
     frequencies = torch.bincount(picks, minlength=5).double() / len(picks)
     torch.testing.assert_close(frequencies, probs[0].double(), atol=0.03, rtol=0)
+
+
+class BrokenMatcher:
+    """A grammar whose mask fails: what a bug in one request's constraint looks like."""
+
+    def mask(self, logits):
+        raise RuntimeError("the grammar broke")
+
+
+def break_grammar(state: RowState) -> None:
+    state.matcher = BrokenMatcher()  # fails before any random number is drawn
+
+
+def break_logprobs(state: RowState) -> None:
+    # More alternatives than the vocabulary has: fails after the batch drew its numbers.
+    state.params = SamplingParams(temperature=0.8, logprobs=True, top_logprobs=VOCAB + 1)
+
+
+@pytest.mark.parametrize("breaks", [break_grammar, break_logprobs])
+def test_a_row_whose_sampling_raises_fails_alone_and_the_others_draw_as_without_it(breaks):
+    scores = logits(4, seed=3)
+
+    def rows(broken: bool) -> list[RowState]:
+        made = [
+            row(temperature=0),
+            row(temperature=1.0, logprobs=True, top_logprobs=2),
+            row(temperature=0.8, top_k=5),
+            row(temperature=1.5),
+        ]
+        for i, state in enumerate(made):
+            state.generator = make_generator(i)
+        if broken:
+            breaks(made[2])
+        return made
+
+    healthy, mixed = rows(broken=False), rows(broken=True)
+    expected = [sample_each(scores, healthy) for _ in range(3)]
+    picks = [sample_each(scores, mixed) for _ in range(3)]
+    for step in range(3):  # the same draws step after step: no generator ran ahead
+        assert isinstance(picks[step][2], Exception)
+        assert [picks[step][i] for i in (0, 1, 3)] == [expected[step][i] for i in (0, 1, 3)]
 
 
 def test_stop_text_holds_back_a_possible_stop_and_cuts_before_it():
