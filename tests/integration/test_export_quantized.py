@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import build_tokenizer
+from quant_bounds import assert_weights_within_quantization_bound
 from swiftlm.cli.main import main
 from swiftlm.config import ExportConfig, parse_config
 from swiftlm.export import run as export_run
@@ -34,6 +35,8 @@ FLAGS = {
     "int8": ["--quant_method", "int8"],
     "int4": ["--quant_method", "int4"],
 }
+# Weights per scale of the 4-bit formats: bitsandbytes' block, int4's --group_size default.
+BLOCKS = {"bnb4": 64, "int4": 128}
 
 
 def export(model_dir, out, *flags) -> dict:
@@ -69,6 +72,12 @@ def test_quantized_folder_loads_alone_and_generates(kind, wide_tiny_model_dir, t
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert quantized_kind(model) == QUANTIZED_TYPES[kind]
+    # Every quantized layer applies the source's weights within the format's rounding bound
+    # (7 projections in each of the 2 decoder layers).
+    checked = assert_weights_within_quantization_bound(
+        model, wide_tiny_model_dir, kind, BLOCKS.get(kind)
+    )
+    assert checked == 14
     ids = tokenizer("Question number 3?", return_tensors="pt")["input_ids"]
     generated = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert generated.shape[1] > ids.shape[1]
