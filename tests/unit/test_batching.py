@@ -257,6 +257,10 @@ def test_data_parallel_ranks_get_disjoint_budgeted_batches():
     plan = _plan(max_tokens=1024, dp=2)
     for global_batch in plan.epoch_batches(0)[:-1]:
         assert len(global_batch) == 2 and all(global_batch)
+        first, second = ({i for row in batch for i in row} for batch in global_batch)
+        assert not first & second  # no sample on both ranks
+        for batch in global_batch:  # each rank's share within the budget
+            assert len(batch) * max(plan.row_length(r) for r in batch) <= 1024 or len(batch) == 1
 
 
 @pytest.mark.parametrize("kw", [dict(pack_to=512), dict(max_tokens=1500)])
