@@ -14,10 +14,12 @@ import torch
 
 from swiftlm.engine.protocol import (
     EngineStats,
+    GenerationFailed,
     GenerationRequest,
     SampleDelta,
     SampleResult,
     SamplingParams,
+    new_error_id,
 )
 from swiftlm.engine.scheduler import Scheduler, Submitted
 from swiftlm.models.templates import end_of_turn_token
@@ -91,7 +93,7 @@ class ContinuousEngine:
             self.validate(request)
         for request, collector in zip(requests, collectors, strict=True):
             self.submit(request, collector.add)
-        return [collector.wait() for collector in collectors]
+        return wait_all(collectors)
 
     def warmup(self) -> None:
         """Run a full batch for a few tokens: the first forwards of a shape are slow on a
@@ -168,9 +170,11 @@ class ContinuousEngine:
         try:
             scheduler.step()
         except Exception as exc:
-            # A failed forward leaves the batch unusable: end what runs, keep serving.
-            log.exception("the engine step failed; aborting the running requests")
-            scheduler.abort_all(error=f"{type(exc).__name__}: {exc}")
+            # Only a failed forward gets here (a sample's own failures stay with the sample):
+            # it leaves the batch unusable, so end what runs and keep serving.
+            error_id = new_error_id()
+            log.exception("the engine step failed (error id %s); aborting the batch", error_id)
+            scheduler.abort_all(error=f"{type(exc).__name__}: {exc}", error_id=error_id)
 
 
 def default_max_model_len(model) -> int:
@@ -201,7 +205,8 @@ class SampleCollector:
         result.text += delta.text
         result.logprobs += delta.logprobs
         if delta.error:
-            self.error = delta.error
+            result.error = delta.error
+            self.error = self.error or delta.error
         if delta.finish_reason:
             result.finish_reason = delta.finish_reason
             self.open -= 1
@@ -209,11 +214,20 @@ class SampleCollector:
                 self.done.set()
 
     def wait(self) -> list[SampleResult]:
-        """The samples; raises RuntimeError if the engine failed while generating them."""
+        """The samples, once all have finished (a failed one holds its `error`)."""
         self.done.wait()
-        if self.error:
-            raise RuntimeError(f"generation failed: {self.error}")
         return self.results
+
+
+def wait_all(collectors: list[SampleCollector]) -> list[list[SampleResult]]:
+    """Every request's samples; `GenerationFailed` (holding them all) if any sample failed.
+    Waits for all first, so one failure neither loses the other answers nor leaves them
+    running unread."""
+    results = [collector.wait() for collector in collectors]
+    failures = {i: c.error for i, c in enumerate(collectors) if c.error}
+    if failures:
+        raise GenerationFailed(results, failures)
+    return results
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:

@@ -11,6 +11,13 @@ per prompt, a per-request seed, and the log-probability of every generated token
   the request's callback from the engine's thread; the last delta of a sample has a
   `finish_reason`.
 - `SampleResult`: a whole sample, as `Engine.generate` returns it.
+
+Failures stay with the sample they happen in: an exception while preparing, sampling or
+detokenizing one sample ends that sample with finish_reason "error" (its `error` says why) and
+the rest of the batch decodes on. `InvalidRequest` marks the ones the request's own values
+caused (a caller's mistake); any other is the engine's, logged under the delta's `error_id`.
+Only a failed forward pass, which leaves the whole batch unusable, aborts every running sample.
+`Engine.generate` raises `GenerationFailed`, which still holds the samples that succeeded.
 """
 
 import uuid
@@ -18,8 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-# Why a sample ended: a stop token or string, the token budget (or the context), or aborted.
-FINISH_REASONS = ("stop", "length", "abort")
+# Why a sample ended: a stop token or string, the token budget (or the context), aborted (by
+# the caller, or by the engine for the whole batch), or it failed alone ("error").
+FINISH_REASONS = ("stop", "length", "abort", "error")
+SEED_RANGE = (-(2**63), 2**63)  # a 64-bit integer, as OpenAI takes it; seed + i stays < 2**64
+
+
+def new_error_id() -> str:
+    """A short id that names one failure both in the server log and in the caller's error."""
+    return uuid.uuid4().hex[:12]
+
+
+class InvalidRequest(ValueError):
+    """Raised inside the engine when a request's own values make one of its samples fail: the
+    caller's mistake (an HTTP 400), where any other exception is the engine's (a 500)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +56,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # the text stops before the first of these strings
     stop_token_ids: tuple[int, ...] = ()  # besides the model's own end-of-turn tokens
     ignore_eos: bool = False
-    seed: int | None = None  # sample i of n uses seed + i: reproducible per sample
+    seed: int | None = None  # sample i of n uses seed + i: reproducible per sample (64-bit)
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per token (needs logprobs)
@@ -67,6 +86,8 @@ class SamplingParams:
         for name, ok, must in rules:
             if not ok:
                 return f"{name} {getattr(self, name)}: {must}"
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            return f"seed {self.seed}: must be a 64-bit integer, in [-2**63, 2**63)"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs true"
         if self.logprobs_mode not in ("raw", "scaled"):
@@ -147,8 +168,11 @@ class SampleDelta:
     text: str  # new text; text that may start a stop string is held back until resolved
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked
     finish_reason: str | None = None  # set on the sample's last delta
-    # Set (with finish_reason "abort") when the engine failed, not the caller: the reason.
+    # Why the sample failed ("error") or the engine aborted it ("abort"); None otherwise.
     error: str | None = None
+    # Set when the failure was the engine's, not the request's: the id the server log holds
+    # it under. None with finish_reason "error": the request's values (`InvalidRequest`).
+    error_id: str | None = None
 
 
 @dataclass
@@ -158,6 +182,22 @@ class SampleResult:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str
+    error: str | None = None  # why it failed ("error") or was aborted by the engine
+
+
+class GenerationFailed(RuntimeError):
+    """Some requests of `Engine.generate` had a sample that failed. `results` holds every
+    request's samples all the same (the failed ones with their `error`), so a caller can keep
+    the answers that succeeded; `failures` maps a request's index to its first error."""
+
+    def __init__(self, results: list[list[SampleResult]], failures: dict[int, str]):
+        first = next(iter(failures))
+        super().__init__(
+            f"generation failed for {len(failures)} of {len(results)} requests; request "
+            f"{first}: {failures[first]}"
+        )
+        self.results = results
+        self.failures = failures
 
 
 @dataclass(frozen=True)
@@ -183,7 +223,8 @@ class Engine(Protocol):
         ...
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
-        """Run `requests` together and wait: per request, its n samples in index order."""
+        """Run `requests` together and wait: per request, its n samples in index order.
+        Raises `GenerationFailed` (with every result) when a sample failed."""
         ...
 
     def stats(self) -> EngineStats: ...

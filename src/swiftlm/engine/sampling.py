@@ -40,6 +40,36 @@ def make_generator(seed: int) -> torch.Generator:
     return generator
 
 
+Pick = tuple[int, TokenLogprob | None]  # a row's next token and, if it asked, its log-prob
+
+
+def sample_each(logits: torch.Tensor, rows: list[RowState]) -> list[Pick | Exception]:
+    """Per row, its next token and log-prob, or the exception that sampling it raised: one
+    batched call, and only if that raises, each row alone, so that one row's failure (a bad
+    value, a grammar that breaks) fails only that row. Rows drawing random numbers get their
+    generator back as it was before the failed batched call, so each row draws what it would
+    have drawn in a batch without the failing one."""
+    states = [row.generator.get_state() if row.params.temperature > 0 else None for row in rows]
+    try:
+        return _sample_batch(logits, rows)
+    except Exception:
+        pass  # found again below, row by row, and reported with the row it belongs to
+    picks: list[Pick | Exception] = []
+    for i, row in enumerate(rows):
+        if states[i] is not None:
+            row.generator.set_state(states[i])
+        try:
+            picks += _sample_batch(logits[i : i + 1], [row])
+        except Exception as exc:
+            picks.append(exc)
+    return picks
+
+
+def _sample_batch(logits: torch.Tensor, rows: list[RowState]) -> list[Pick]:
+    chosen = next_tokens(logits, rows)
+    return list(zip(chosen.tolist(), chosen_logprobs(logits, chosen, rows), strict=True))
+
+
 def next_tokens(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     """One token id per row from `logits` [rows, vocab] (float32, on the CPU)."""
     logits = apply_constraints(logits, rows)

@@ -12,6 +12,10 @@ One `step()` of the loop:
 
 Requests that use different adapters share the forward through peft's per-row
 `adapter_names`; rows on the base model use peft's "__base__".
+
+A sample whose preparation, sampling or detokenizing raises ends alone with finish_reason
+"error" (`_fail`); its row leaves the batch and the others decode on. Only an exception of a
+forward pass leaves `step()`, and the engine then aborts the whole batch.
 """
 
 import logging
@@ -25,8 +29,13 @@ import torch
 
 from swiftlm.engine.detokenize import IncrementalText, StopText
 from swiftlm.engine.kvcache import BatchKV
-from swiftlm.engine.protocol import GenerationRequest, SampleDelta
-from swiftlm.engine.sampling import RowState, chosen_logprobs, make_generator, next_tokens
+from swiftlm.engine.protocol import (
+    GenerationRequest,
+    InvalidRequest,
+    SampleDelta,
+    new_error_id,
+)
+from swiftlm.engine.sampling import RowState, make_generator, sample_each
 from swiftlm.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -109,12 +118,14 @@ class Scheduler:
 
     # -- aborts ------------------------------------------------------------------------------
 
-    def abort(self, request_ids: set[str], error: str | None = None) -> None:
+    def abort(
+        self, request_ids: set[str], error: str | None = None, error_id: str | None = None
+    ) -> None:
         """Finish the samples of `request_ids` with "abort" and free their rows now;
-        `error` says why when the engine, not the caller, ended them."""
+        `error` says why when the engine, not the caller, ended them (logged as `error_id`)."""
         for item in [s for s in self.waiting if s.request.request_id in request_ids]:
             self.waiting.remove(item)
-            _abort_submitted(item, error)
+            _abort_submitted(item, error, error_id)
         group = self.group
         if group is not None and any(i.request.request_id in request_ids for i in group.items):
             # Finishing the prefill just to throw it away would waste work: restart the others.
@@ -123,17 +134,17 @@ class Scheduler:
             self.waiting.extendleft(reversed(kept))
             for item in group.items:
                 if item.request.request_id in request_ids:
-                    _abort_submitted(item, error)
+                    _abort_submitted(item, error, error_id)
         for seq in self.running:
             if seq.request_id in request_ids and seq.finish_reason is None:
-                self._emit(seq, seq.abort(error))
+                self._emit(seq, seq.abort(error, error_id))
         self._drop_finished()
 
-    def abort_all(self, error: str | None = None) -> None:
+    def abort_all(self, error: str | None = None, error_id: str | None = None) -> None:
         ids = {s.request.request_id for s in self.waiting}
         ids |= {s.request_id for s in self.running}
         ids |= {i.request.request_id for i in self.group.items} if self.group else set()
-        self.abort(ids, error)
+        self.abort(ids, error, error_id)
 
     # -- admission and prefill -------------------------------------------------------------
 
@@ -174,24 +185,39 @@ class Scheduler:
 
     def _start_sequences(self, group: PrefillGroup, logits: torch.Tensor) -> None:
         """Sample each sample's first token from its prompt's logits; the unfinished rows
-        join the running batch."""
+        join the running batch (a sample that cannot even start has failed alone)."""
         counts = torch.tensor([item.request.params.n for item in group.items])
         if bool((counts > 1).any()):
             group.kv.repeat_rows(counts)
             logits = logits.repeat_interleave(counts, dim=0)
-        sequences = [
-            self._new_sequence(item, index)
+        prepared = [
+            self._prepared(item, index)
             for item in group.items
             for index in range(item.request.params.n)
         ]
-        self._advance(sequences, logits)
-        keep = [i for i, seq in enumerate(sequences) if seq.finish_reason is None]
+        started = [i for i, seq in enumerate(prepared) if seq is not None]
+        if started:
+            self._advance([prepared[i] for i in started], logits[started])
+        # Indices into `prepared`: the group's cache rows, one per sample.
+        keep = [i for i in started if prepared[i].finish_reason is None]
         if keep:
             group.kv.select(torch.tensor(keep))
             self.kv.merge(group.kv)
         with self.slots:
-            self.running = self.running + [sequences[i] for i in keep]
+            self.running = self.running + [prepared[i] for i in keep]
             self.group = None
+
+    def _prepared(self, item: Submitted, index: int) -> Sequence | None:
+        """Sample `index` of `item` ready to decode, or None when preparing it failed (its
+        caller has been told)."""
+        try:
+            return self._new_sequence(item, index)
+        except Exception as exc:
+            request_id = item.request.request_id
+            error, error_id = _failure(exc, request_id, index)
+            delta = SampleDelta(request_id, index, (), "", (), "error", error, error_id)
+            _send(item.on_delta, delta)
+            return None
 
     def _new_sequence(self, item: Submitted, index: int) -> Sequence:
         request, params = item.request, item.request.params
@@ -204,7 +230,7 @@ class Scheduler:
             row=RowState(
                 params,
                 list(request.prompt_ids),
-                make_generator(seed),
+                _seeded(seed),
                 matcher=request.constraint.matcher() if request.constraint else None,
             ),
             detokenizer=IncrementalText(self.tokenizer),
@@ -226,12 +252,23 @@ class Scheduler:
         self._drop_finished()
 
     def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token per sequence and send each its delta."""
-        rows = [seq.row for seq in sequences]
-        chosen = next_tokens(logits, rows)
-        logprobs = chosen_logprobs(logits, chosen, rows)
-        for seq, token, logprob in zip(sequences, chosen.tolist(), logprobs, strict=True):
-            self._emit(seq, seq.accept(token, logprob))
+        """Sample one token per sequence and send each its delta; a sequence whose sampling or
+        detokenizing raises fails alone."""
+        picks = sample_each(logits, [seq.row for seq in sequences])
+        for seq, pick in zip(sequences, picks, strict=True):
+            if isinstance(pick, Exception):
+                self._fail(seq, pick)
+                continue
+            try:
+                delta = seq.accept(*pick)
+            except Exception as exc:
+                self._fail(seq, exc)
+                continue
+            self._emit(seq, delta)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        error, error_id = _failure(exc, seq.request_id, seq.index)
+        self._emit(seq, seq.fail(error, error_id))
 
     def _emit(self, seq: Sequence, delta: SampleDelta) -> None:
         if not _send(seq.on_delta, delta) and seq.finish_reason is None:
@@ -266,11 +303,42 @@ class Scheduler:
         return output.logits[:, -1].float().cpu()
 
 
-def _abort_submitted(item: Submitted, error: str | None) -> None:
+def _seeded(seed: int) -> torch.Generator:
+    """The sample's generator; a seed no generator takes is the request's mistake (the engine
+    checks seeds at submit: this holds for callers that build a scheduler themselves)."""
+    try:
+        return make_generator(seed)
+    except (OverflowError, ValueError, RuntimeError) as exc:
+        raise InvalidRequest(
+            f"seed {seed}: cannot seed a random generator with it ({exc}); give a 64-bit "
+            "integer, in [-2**63, 2**63)"
+        ) from None
+
+
+def _failure(exc: Exception, request_id: str, index: int) -> tuple[str, str | None]:
+    """(error, error_id) of sample `index` failing with `exc`: the request's own mistake
+    (`InvalidRequest`, no id: the caller can fix it), or the engine's, logged with its
+    traceback under a new id that the caller's error names."""
+    if isinstance(exc, InvalidRequest):
+        log.warning("request %s, sample %d refused: %s", request_id, index, exc)
+        return str(exc), None
+    error_id = new_error_id()
+    log.error(
+        "request %s, sample %d failed (error id %s); the rest of the batch goes on",
+        request_id,
+        index,
+        error_id,
+        exc_info=exc,
+    )
+    return f"{type(exc).__name__}: {exc}", error_id
+
+
+def _abort_submitted(item: Submitted, error: str | None, error_id: str | None = None) -> None:
     """End every sample of a request that has no sequence yet."""
     request_id = item.request.request_id
     for index in range(item.request.params.n):
-        _send(item.on_delta, SampleDelta(request_id, index, (), "", (), "abort", error))
+        delta = SampleDelta(request_id, index, (), "", (), "abort", error, error_id)
+        _send(item.on_delta, delta)
 
 
 def _send(on_delta: Callable[[SampleDelta], None], delta: SampleDelta) -> bool:

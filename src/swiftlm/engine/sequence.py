@@ -73,11 +73,25 @@ class Sequence:
             self.finish_reason = "stop"
         return text
 
-    def abort(self, error: str | None = None) -> SampleDelta:
+    def abort(self, error: str | None = None, error_id: str | None = None) -> SampleDelta:
         self.finish_reason = "abort"
-        return self._delta((), self.stop_text.flush(), (), error)
+        return self._delta((), self.stop_text.flush(), (), error, error_id)
 
-    def _delta(self, token_ids, text, logprobs, error=None) -> SampleDelta:
+    def fail(self, error: str, error_id: str | None) -> SampleDelta:
+        """End this sample alone: `error` says why (`error_id`: the engine's failure, logged)."""
+        self.finish_reason = "error"
+        # Held-back text is dropped, not flushed: it may be the start of a stop string, and
+        # the answer ends where it failed anyway.
+        return self._delta((), "", (), error, error_id)
+
+    def _delta(self, token_ids, text, logprobs, error=None, error_id=None) -> SampleDelta:
         return SampleDelta(
-            self.request_id, self.index, token_ids, text, logprobs, self.finish_reason, error
+            self.request_id,
+            self.index,
+            token_ids,
+            text,
+            logprobs,
+            self.finish_reason,
+            error,
+            error_id,
         )

@@ -31,7 +31,12 @@ import torch
 
 from swiftlm.data.images import load_image
 from swiftlm.data.parts import content_images, flatten_text_parts
-from swiftlm.engine.continuous import SampleCollector, default_max_model_len, stop_token_ids
+from swiftlm.engine.continuous import (
+    SampleCollector,
+    default_max_model_len,
+    stop_token_ids,
+    wait_all,
+)
 from swiftlm.engine.detokenize import IncrementalText, StopText
 from swiftlm.engine.protocol import (
     EngineStats,
@@ -39,6 +44,7 @@ from swiftlm.engine.protocol import (
     SampleDelta,
     SampleResult,
     SamplingParams,
+    new_error_id,
 )
 from swiftlm.errors import ConfigError
 from swiftlm.models import vision as vision_models
@@ -199,7 +205,7 @@ class VisionEngine:
         collectors = [SampleCollector(r.params.n) for r in requests]
         for request, collector in zip(requests, collectors, strict=True):
             self.submit(request, collector.add)
-        return [collector.wait() for collector in collectors]
+        return wait_all(collectors)
 
     def warmup(self) -> None:
         """Nothing to warm: the first request pays for its own first forward."""
@@ -248,9 +254,15 @@ class VisionEngine:
             with torch.inference_mode():
                 self._generate(request, index, sample)
         except Exception as exc:
-            log.exception("vision generation failed for request %s", request.request_id)
+            # One request at a time: its failure is its own ("error"), the next one runs.
+            error_id = new_error_id()
+            log.exception(
+                "vision generation failed for request %s (error id %s)",
+                request.request_id,
+                error_id,
+            )
             if sample.finish_reason is None:
-                sample.finish("abort", error=f"{type(exc).__name__}: {exc}")
+                sample.finish("error", error=f"{type(exc).__name__}: {exc}", error_id=error_id)
             return
         if sample.finish_reason is None:  # generate ended on its own (it should not)
             sample.finish("length")
@@ -338,10 +350,11 @@ class _Sample:
         )
         return self.finish_reason is not None
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str, error: str | None = None, error_id: str | None = None) -> None:
         self.finish_reason = reason
-        text = self.stop_text.flush()
-        self._send(SampleDelta(self.request.request_id, self.index, (), text, (), reason, error))
+        text = self.stop_text.flush() if reason != "error" else ""
+        request_id = self.request.request_id
+        self._send(SampleDelta(request_id, self.index, (), text, (), reason, error, error_id))
 
     def _send(self, delta: SampleDelta) -> None:
         try:
