@@ -88,6 +88,16 @@ def test_completions_stream_joins_to_the_whole_answer(client):
     assert whole.object == "text_completion"
 
 
+def test_a_token_id_prompt_answers_as_its_text_does(client, engine):
+    kwargs = dict(model="tiny", max_tokens=8, temperature=0)
+    text = "The capital of France"
+    ids = engine.tokenizer(text)["input_ids"]
+    by_text = client.completions.create(prompt=text, **kwargs).choices[0].text
+    assert client.completions.create(prompt=ids, **kwargs).choices[0].text == by_text
+    both = client.completions.create(prompt=[ids, ids[:2]], **kwargs)
+    assert both.choices[0].text == by_text and len(both.choices) == 2
+
+
 def test_n_samples_and_several_prompts(client):
     chat = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=8, n=2, temperature=1.0, seed=3

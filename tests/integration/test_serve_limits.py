@@ -87,7 +87,18 @@ HOSTILE = [
     ),
     ("completion echo", "/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400),
     ("empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, 400),
-    ("token-id prompt", "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]}, 400),
+    (
+        "token id past the vocabulary",
+        "/v1/completions",
+        {"model": "tiny", "prompt": [1, 10**6]},
+        400,
+    ),
+    ("mixed prompt list", "/v1/completions", {"model": "tiny", "prompt": [1, "x"]}, 400),
+    ("too many prompts", "/v1/completions", {"model": "tiny", "prompt": ["x"] * 5}, 400),
+    ("stream a word", "/v1/chat/completions", chat(stream="yes"), 400),
+    ("max_tokens a float", "/v1/chat/completions", chat(max_tokens=5.5), 400),
+    ("seed past 64 bits", "/v1/chat/completions", chat(seed=2**80), 400),
+    ("null content", "/v1/chat/completions", chat(messages=[{"role": "user"}]), 400),
     ("negative logprobs", "/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": -1}, 400),
     ("suffix", "/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400),
     ("unknown route", "/v1/embeddings", {"model": "tiny", "input": "x"}, 404),
@@ -298,3 +309,60 @@ def test_32_concurrent_streams_all_end_with_done(server):
     assert all(lines[-1] == "data: [DONE]" for lines in streams)
     finishes = [json.loads(lines[-2][6:])["choices"][0]["finish_reason"] for lines in streams]
     assert set(finishes) <= {"stop", "length"}
+
+
+def poison(monkeypatch, exc: Exception) -> None:
+    """Make every sample of a prompt that says POISON fail inside the engine at its 3rd token."""
+    from swiftlm.engine import scheduler
+
+    accept = scheduler.Sequence.accept
+
+    def failing_accept(seq, token, logprob):
+        prompt = seq.detokenizer.tokenizer.decode(seq.row.prompt_ids)
+        if "POISON" in prompt and len(seq.row.output_ids) == 2:
+            raise exc
+        return accept(seq, token, logprob)
+
+    monkeypatch.setattr(scheduler.Sequence, "accept", failing_accept)
+
+
+def test_a_sample_that_fails_in_the_engine_fails_only_its_request(server, monkeypatch, caplog):
+    from swiftlm.engine.protocol import InvalidRequest
+
+    greedy = chat(max_tokens=24, temperature=0, ignore_eos=True)
+    bad = chat(max_tokens=24, messages=[{"role": "user", "content": "POISON"}], ignore_eos=True)
+    with httpx.Client(base_url=server, timeout=60) as http:
+        before = http.post("/v1/chat/completions", json=greedy).json()
+        poison(monkeypatch, RuntimeError("a bug in detokenizing"))
+        results: dict = {}
+        normal = threading.Thread(
+            target=lambda: results.update(normal=http.post("/v1/chat/completions", json=greedy))
+        )
+        normal.start()
+        with caplog.at_level("ERROR", logger="swiftlm.engine.scheduler"):
+            whole = http.post("/v1/chat/completions", json=bad)
+            streamed = http.post("/v1/chat/completions", json={**bad, "stream": True}).text
+        normal.join()
+        assert results["normal"].json()["choices"] == before["choices"]
+        # Not the client's mistake: a 500 whose error id is the one the server log holds.
+        error = whole.json()["error"]
+        assert whole.status_code == 500 and error["type"] == "server_error"
+        error_id = error["message"].split("error id ")[1].split(",")[0]
+        logged = [r.getMessage() for r in caplog.records if r.exc_info]
+        assert any(f"error id {error_id}" in m for m in logged), logged
+        assert "a bug in detokenizing" not in whole.text  # no internals in the answer
+        # Streamed: the tokens before it, then an error event, then [DONE].
+        events = [line[6:] for line in streamed.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == (
+            "internal_error"
+        )
+        assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+        # A failure the request's own values caused is the client's: 400.
+        poison(monkeypatch, InvalidRequest("seed 7: not a seed this engine takes"))
+        refused = http.post("/v1/chat/completions", json=bad)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == "seed 7: not a seed this engine takes"
+        monkeypatch.undo()
+        assert (
+            http.post("/v1/chat/completions", json=greedy).json()["choices"] == (before["choices"])
+        )

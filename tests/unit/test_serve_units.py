@@ -1,6 +1,7 @@
 """Pure parts of the server: API keys, error messages, request checks."""
 
 import pytest
+from pydantic import ValidationError
 
 pytest.importorskip("fastapi")
 
@@ -57,8 +58,7 @@ def test_sampling_params_fill_the_context_and_refuse_what_does_not_fit():
     for request, prompt_tokens, param in [
         (chat(), 100, "messages"),
         (chat(max_tokens=91), 10, "max_tokens"),
-        (chat(n=17), 10, "n"),
-        (chat(top_p=0), 10, "top_p"),
+        (chat(n=17), 10, "n"),  # the schema allows OpenAI's 128; the server's --max_n 16 not
         (chat(stop=[""]), 10, "stop"),
     ]:
         with pytest.raises(APIError) as info:
@@ -73,3 +73,116 @@ def test_unknown_models_are_404_model_not_found():
         served.adapter_for("gpt-4")
     assert (info.value.status, info.value.code) == (404, "model_not_found")
     assert "base, tuned" in info.value.message
+
+
+def refusal(model, **fields) -> tuple[str, str | None]:
+    """(message, param) of the 400 the server sends for a body with `fields`."""
+    base = {"model": "m"}
+    base |= (
+        {"messages": [{"role": "user", "content": "x"}]} if model is ChatCompletionRequest else {}
+    )
+    base |= {"prompt": "x"} if model is CompletionRequest else {}
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(base | fields)
+    return describe_validation_error(info.value.errors())
+
+
+@pytest.mark.bad_input(
+    input='`swiftlm deploy`: a field of the wrong JSON type (`"stream": "yes"`, `"n": "2"`, '
+    '`"max_tokens": 5.5` or `"5"`), or a sampling value out of OpenAI\'s range (seed past 64 '
+    "bits, a penalty past ±2, temperature past 2, top_logprobs past 20, 5 stop strings, a "
+    "logit_bias value past ±100)",
+    outcome="400 naming the field and the type or range it must have; nothing is coerced "
+    "(an integer is still a valid number)",
+)
+def test_fields_are_typed_strictly_and_range_checked_as_openai_does():
+    assert refusal(ChatCompletionRequest, stream="yes") == (
+        "'stream': Input should be a valid boolean",
+        "stream",
+    )
+    for value in ("2", 2.0, True):
+        assert refusal(ChatCompletionRequest, n=value)[1] == "n"
+    for value in (5.5, "5"):
+        assert refusal(CompletionRequest, max_tokens=value)[0] == (
+            "'max_tokens': Input should be a valid integer"
+        )
+    assert chat(temperature=1, top_p=1, presence_penalty=-2).temperature == 1.0
+    out_of_range = {
+        "seed": 2**80,
+        "presence_penalty": 2.5,
+        "frequency_penalty": -3,
+        "temperature": 2.1,
+        "top_p": 0,
+        "top_k": -1,
+        "min_p": 1.5,
+        "repetition_penalty": 0,
+        "n": 0,
+        "max_tokens": 0,
+        "max_completion_tokens": 2**80,
+        "top_logprobs": 21,
+    }
+    for field, value in out_of_range.items():
+        message, param = refusal(ChatCompletionRequest, **{field: value})
+        assert param == field and message.startswith(f"'{field}': Input should be"), message
+    assert refusal(CompletionRequest, logprobs=21)[1] == "logprobs"
+    assert refusal(ChatCompletionRequest, temperature=float("nan"))[0] == (
+        "'temperature': Input should be a finite number"
+    )
+    assert refusal(ChatCompletionRequest, stop=["a"] * 5)[1] == "stop"
+    assert refusal(ChatCompletionRequest, stop=7)[0] == (
+        "'stop' must be a string or a list of at most 4 strings"
+    )
+    assert refusal(ChatCompletionRequest, logit_bias={"12": 101})[1] == "logit_bias.12"
+    message, _ = refusal(ChatCompletionRequest, logit_bias={"hello": 1})
+    assert message.startswith("'logit_bias' keys must be token ids") and "'hello'" in message
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm deploy`: a chat message whose content is null (or missing) without "
+    "tool_calls, or content of another type",
+    outcome="400 naming `messages[i].content` and the forms it may take",
+)
+def test_message_content_is_required_unless_the_assistant_called_tools():
+    for message in ({"role": "user", "content": None}, {"role": "tool", "tool_call_id": "a"}):
+        assert refusal(ChatCompletionRequest, messages=[message]) == (
+            "'messages[0].content' is null; give the message's text (only an assistant "
+            "message with tool_calls may leave content out)",
+            "messages.0.content",
+        )
+    call = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+    called = {"role": "assistant", "tool_calls": [call]}
+    assert ChatCompletionRequest(model="m", messages=[called]).messages[0].text() == ""
+    message, param = refusal(ChatCompletionRequest, messages=[{"role": "user", "content": 5}])
+    assert param == "messages.0.content" and message.startswith(
+        "'messages[0].content' must be a string, a list of content parts"
+    )
+    parts = [{"type": "text", "text": "a"}, {"type": "video"}]
+    message, param = refusal(ChatCompletionRequest, messages=[{"role": "user", "content": parts}])
+    assert param == "messages.0.content.1" and "must be a content part" in message
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm deploy`: a /v1/completions prompt of no accepted form (a number, an "
+    'empty list, a mixed list such as [1, 2, "x"], a negative token id)',
+    outcome="400 naming the element (`prompt[2]`) and listing the accepted forms: a string, "
+    "a list of strings, a list of token ids, a list of token-id lists",
+)
+def test_a_prompt_of_no_accepted_form_is_named_by_its_element():
+    forms = (
+        "'prompt' must be a string, a list of strings, a list of token ids (integers of at "
+        "least 0) or a list of token-id lists"
+    )
+    cases = {
+        "'prompt[2]' is a string in a list of token ids": [1, 2, "x"],
+        "'prompt[1]' is an integer in a list of strings": ["a", 1],
+        "'prompt[1][1]' is a negative integer in a list of token ids": [[1], [2, -1]],
+        "'prompt[0]' is a boolean at the start of a list": [True],
+        "'prompt' is an empty list": [],
+        "'prompt' is a number": 1.5,
+    }
+    for expected, prompt in cases.items():
+        message, param = refusal(CompletionRequest, prompt=prompt)
+        assert message == f"{expected}; {forms}" and param.startswith("prompt"), message
+    assert CompletionRequest(model="m", prompt=[5, 6]).prompts() == [[5, 6]]
+    assert CompletionRequest(model="m", prompt=[[5], [6]]).prompts() == [[5], [6]]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]

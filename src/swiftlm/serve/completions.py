@@ -31,7 +31,8 @@ from swiftlm.serve.tools import template_tools, tool_message
 from swiftlm.serve.translate import (
     ServedModels,
     chat_prompt_ids,
-    completion_prompt_ids,
+    check_sample_count,
+    completion_prompts,
     reject_unsupported,
     sampling_params,
 )
@@ -69,13 +70,15 @@ class Job:
         return self
 
     async def deltas(self) -> AsyncIterator[tuple[int, SampleDelta]]:
-        """(choice index, delta) of every sample; 503 if the engine aborts them itself."""
+        """(choice index, delta) of every sample; an error when a sample failed (400: the
+        request's values, 500: the engine's failure) or the engine aborted it (503). The
+        request's other samples are then aborted (run_on_engine)."""
         items = run_on_engine(
             self.engine, self.stream, self.limits, self.http.is_disconnected, self.timer.observe
         )
         async for choice, delta in items:
-            if delta.finish_reason == "abort":
-                raise APIError(503, "the request was aborted: the engine is shutting down")
+            if delta.finish_reason in ("abort", "error"):
+                raise sample_error(delta)
             yield choice, delta
         self.timer.finish()
 
@@ -224,10 +227,8 @@ class Completions:
         if body.echo:
             raise APIError(400, "'echo': true is not supported", param="echo")
         self.models.adapter_for(body.model)
-        prompts = [
-            await asyncio.to_thread(completion_prompt_ids, self.tokenizer, text)
-            for text in body.prompts()
-        ]
+        check_sample_count(len(body.prompts()), body.n, self.settings.max_n)
+        prompts = await asyncio.to_thread(completion_prompts, self.tokenizer, body)
         job = self._job(body, http, "completions", prompts)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", now_s()
         logprobs = None if body.logprobs is None else (self.texts, body.logprobs)
@@ -258,6 +259,26 @@ class Completions:
         if body.include_usage():
             usage = r.usage(job.prompt_tokens, completion_tokens)
             yield r.sse({**r.completion_chunk(request_id, job.model, created, []), "usage": usage})
+
+
+def sample_error(delta: SampleDelta) -> APIError:
+    """The error of a sample that failed or that the engine aborted (a caller's abort never
+    reaches a reader: the reader is what aborts)."""
+    if delta.finish_reason == "error" and delta.error_id is None:  # the request's own values
+        return APIError(400, str(delta.error), code="invalid_request")
+    where = f"error id {delta.error_id}, in the server log" if delta.error_id else "server log"
+    if delta.finish_reason == "error":
+        return APIError(
+            500,
+            f"generating this answer failed inside the server ({where}); the other requests "
+            "were not affected, retrying may succeed",
+            code="internal_error",
+        )
+    if delta.error:
+        return APIError(
+            503, f"the engine failed while generating ({where}); retry", code="engine_failed"
+        )
+    return APIError(503, "the request was aborted: the engine is shutting down")
 
 
 def with_calls(choice: dict, text: str, parser: str) -> dict:

@@ -42,7 +42,16 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    # A message may quote the client's input; what cannot be UTF-8 (an unpaired surrogate)
+    # is escaped, or sending the error itself would fail.
+    message, param = _encodable(message), _encodable(param)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(
@@ -57,23 +66,43 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
+# Errors the request schemas raise themselves (serve.schemas): their message is a phrase that
+# follows the field's name ("must be a string or ..."), and their context's "at" continues the
+# location past what pydantic knows (".content", "[2]").
+FORM_ERROR = "wrong_form"
+# Tags of the schemas' unions (serve.schemas.one_of) start with it; pydantic puts the tag of
+# the member it tried in an error's location, which means nothing to a client.
+UNION_TAG = "="
+
+
 def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
-    """The first pydantic error as one sentence naming the field, and the field's path."""
+    """The first pydantic error as one sentence naming the field (`messages[0].content`), and
+    the field's path as `param` (`messages.0.content`)."""
     if not errors:
         return "invalid request", None
     first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    location = [
+        part
+        for part in first.get("loc", ())
+        if part != "body" and not (isinstance(part, str) and part.startswith(UNION_TAG))
+    ]
+    param = ".".join(str(part) for part in location) or None
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in location).lstrip(".")
     kind, message = first.get("type", ""), first.get("msg", "invalid value")
     if kind == "extra_forbidden":
-        return f"unknown field '{param}': it is not part of this API", param
+        return f"unknown field '{where}': it is not part of this API", param
     if kind == "json_invalid":
         return "the request body is not valid JSON", None
     if kind == "missing":
-        return f"'{param}' is required", param
+        return f"'{where}' is required", param
+    if kind == FORM_ERROR:
+        at = str((first.get("ctx") or {}).get("at", ""))  # ".content", "[2]", "[1][3]"
+        where += at
+        param = (param or "") + at.replace("[", ".").replace("]", "")
+        return f"'{where}' {message}", param.lstrip(".") or None
     if param is None:
         return f"the request body is invalid: {message}", None
-    return f"'{param}': {message}", param
+    return f"'{where}': {message}", param
 
 
 def install_error_handlers(app) -> None:

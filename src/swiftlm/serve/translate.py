@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 from swiftlm.engine.protocol import SamplingParams
 from swiftlm.serve.errors import APIError
-from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from swiftlm.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Prompt,
+    SamplingFields,
+)
 from swiftlm.serve.tools import check_renders_tools, template_message, template_tools
-
-MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,55 @@ def chat_prompt_ids(tokenizer, request: ChatCompletionRequest, system: str | Non
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def completion_prompt_ids(tokenizer, prompt: str) -> list[int]:
+def completion_prompts(tokenizer, request: CompletionRequest) -> list[list[int]]:
+    """The token ids of each of the request's prompts (text is tokenized, token ids are
+    checked against the vocabulary); 400 naming the prompt that cannot run."""
+    prompts = request.prompts()
+    listed = prompts[0] is not request.prompt  # a list of prompts: each named by its index
+    return [
+        completion_prompt_ids(tokenizer, prompt, f"prompt[{i}]" if listed else "prompt")
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def completion_prompt_ids(tokenizer, prompt: Prompt, where: str = "prompt") -> list[int]:
+    param = where.replace("[", ".").replace("]", "")
     if not prompt:
-        raise APIError(400, "'prompt': must not be empty", param="prompt")
-    return tokenizer(prompt)["input_ids"]
+        raise APIError(400, f"'{where}' must not be empty", param=param)
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    # Ids past the tokenizer's vocabulary would index past the model's embeddings (or into
+    # rows no token trained): the client tokenized with another model's tokenizer.
+    vocab = len(tokenizer)
+    for i, token in enumerate(prompt):
+        if token >= vocab:
+            raise APIError(
+                400,
+                f"'{where}[{i}]' is token id {token}, outside this model's vocabulary of "
+                f"{vocab} tokens (ids 0 to {vocab - 1}); tokenize with the served model's "
+                "tokenizer",
+                param=f"{param}.{i}",
+                code="invalid_value",
+            )
+    return list(prompt)
+
+
+def check_sample_count(prompts: int, n: int, max_n: int) -> None:
+    """A completion request's samples (its prompts times n) fit --max_n: a list of many
+    prompts must not take the whole engine, as a large n may not."""
+    if prompts * n <= max_n:
+        return
+    if prompts == 1:
+        message = f"'n' is {n}; this server answers at most {max_n} samples per request (--max_n)"
+        raise APIError(400, message, param="n", code="invalid_value")
+    raise APIError(
+        400,
+        f"'prompt' holds {prompts} prompts and 'n' is {n}: {prompts * n} samples, and this "
+        f"server answers at most {max_n} per request (--max_n); send the prompts in several "
+        "requests",
+        param="prompt",
+        code="invalid_value",
+    )
 
 
 def sampling_params(
@@ -106,8 +154,8 @@ def sampling_params(
             code="context_length_exceeded",
         )
     stop = request.stop_strings()
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise APIError(400, f"'stop': at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if any(not s for s in stop):  # the schema checks the types and the count
+        raise APIError(400, "'stop' strings must not be empty", param="stop")
     logprobs, top_logprobs = _logprobs(request)
     params = SamplingParams(
         max_tokens=room if budget is None else budget,
@@ -139,7 +187,5 @@ def _logprobs(request: ChatCompletionRequest | CompletionRequest) -> tuple[bool,
     if isinstance(request, CompletionRequest):
         if request.logprobs is None:
             return False, 0
-        if request.logprobs < 0:
-            raise APIError(400, "'logprobs': must be 0 or more", param="logprobs")
-        return True, request.logprobs
+        return True, request.logprobs  # the schema checks its range
     return request.logprobs, request.top_logprobs or 0
