@@ -256,3 +256,32 @@ def test_a_row_without_a_prompt_is_refused_by_line(tiny_model_dir, tmp_path, cap
     assert main(grpo(tiny_model_dir, data, tmp_path / "x", max_steps=1)) == 1
     err = capsys.readouterr().err
     assert "bad.jsonl:4" in err and "no prompt" in err
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm rlhf --rlhf_type grpo`: a rollout sample that fails inside the engine",
+    outcome="The run stops with an error naming the prompt and the sample and why (the "
+    "engine logged it); the rest of the batch was still generated",
+)
+def test_a_rollout_sample_that_fails_names_its_prompt(
+    tiny_model_dir, prompts, tmp_path, capsys, monkeypatch
+):
+    from swiftlm.engine import scheduler
+
+    accept = scheduler.Sequence.accept
+    failed: list[str] = []
+
+    def failing_accept(seq, token, logprob):
+        # The last sample of the first group the engine decodes fails, mid-answer.
+        if seq.index == 3 and len(seq.row.output_ids) == 2 and not failed:
+            failed.append(seq.detokenizer.tokenizer.decode(seq.row.prompt_ids))
+            raise RuntimeError("sampling broke")
+        return accept(seq, token, logprob)
+
+    monkeypatch.setattr(scheduler.Sequence, "accept", failing_accept)
+    assert main(grpo(tiny_model_dir, prompts, tmp_path / "run", max_steps=1)) == 1
+    error = " ".join(capsys.readouterr().err.split())
+    question = next(row["prompt"] for row in ROWS if row["prompt"] in failed[0])
+    assert "sampling completions failed for 1 of 2 prompts" in error
+    assert "sample 3 of the prompt" in error and question in error
+    assert "RuntimeError: sampling broke" in error

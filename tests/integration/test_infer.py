@@ -17,7 +17,7 @@ from swiftlm.config import (
     TrainConfig,
     save_config,
 )
-from swiftlm.errors import CheckpointError, ConfigError
+from swiftlm.errors import CheckpointError, ConfigError, DataError
 from swiftlm.infer import run as run_module
 from swiftlm.infer.frontend import ChatEngine, build_chat_engine
 from swiftlm.infer.resolve import resolve_inference_model
@@ -308,6 +308,55 @@ def test_batch_mode_writes_one_line_per_sample_in_order(run_dir, run_engine, tmp
     assert set(lines[0]) == {"messages", "response", "labels", "source"}
     out = capsys.readouterr().out
     assert "Answered 4 samples in " in out and f"results: {result}" in out
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm infer --val_dataset` with rows that cannot be answered: a prompt longer "
+    "than the context, or a row whose generation fails inside the engine",
+    outcome="The other rows' answers are all written (the failed rows' lines have "
+    '"response": null and an "error"); then exit 1 naming each failed row by file:line',
+)
+def test_batch_rows_that_fail_lose_no_other_answers(run_dir, run_engine, tmp_path, monkeypatch):
+    from swiftlm.engine import scheduler
+
+    accept = scheduler.Sequence.accept
+
+    def failing_accept(seq, token, logprob):
+        # A failure inside the engine, in the middle of one row's answer only.
+        prompt = seq.detokenizer.tokenizer.decode(seq.row.prompt_ids)
+        if "POISON" in prompt and len(seq.row.output_ids) == 2:
+            raise RuntimeError("detokenizing broke")
+        return accept(seq, token, logprob)
+
+    monkeypatch.setattr(scheduler.Sequence, "accept", failing_accept)
+    rows = [
+        {"messages": PROMPTS[0]},
+        {"messages": [{"role": "user", "content": "POISON " * 3}]},
+        {"messages": PROMPTS[2]},
+        {"messages": [{"role": "user", "content": "word " * 700}]},  # past the 512 context
+    ]
+    data = write_jsonl(tmp_path / "val.jsonl", rows)
+    result = tmp_path / "result.jsonl"
+    cfg = infer_config(ckpt_dir=str(run_dir), result_path=str(result))
+    cfg.data = DataArguments(val_dataset=[str(data)])
+
+    with pytest.raises(DataError) as info:
+        run(cfg)
+
+    lines = [json.loads(line) for line in result.read_text(encoding="utf-8").splitlines()]
+    assert [r["source"] for r in lines] == [f"{data}:{i}" for i in range(1, 5)]
+    system = {"role": "system", "content": SYSTEM}
+    for i in (0, 2):
+        expected = run_engine.generate([[system, *rows[i]["messages"]]], GREEDY)[0]
+        assert lines[i]["response"] == expected and "error" not in lines[i]
+    assert lines[1]["response"] is None and lines[1]["error"] == "RuntimeError: detokenizing broke"
+    assert lines[3]["response"] is None and "leaves no room" in lines[3]["error"]
+    message = str(info.value)
+    assert message.startswith(
+        f"2 of 4 rows could not be answered; the other answers are written to {result}"
+    )
+    assert f"{data}:2: RuntimeError: detokenizing broke" in message
+    assert f"{data}:4: a prompt of " in message
 
 
 def test_batch_mode_default_result_path_is_in_the_run(run_dir, tmp_path):

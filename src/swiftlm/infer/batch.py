@@ -5,6 +5,11 @@ Each output line is
 in input order. A conversation that ends with an assistant message has that message taken
 out of the prompt and stored as `labels` (the reference answer).
 
+A row that cannot be answered (its prompt leaves no room in the context, its generation
+fails inside the engine) does not cost the others theirs: every answer is written, the failed
+row's line has `"response": null` and an `"error"`, and the command then fails (exit 1) naming
+each failed row by `file:line`.
+
 With a vision-language model, rows may hold images: `<image>` tags with an `images` column
 (paths relative to the data file's folder, URLs or base64) or image_url/image content parts.
 Every image is checked while the rows are read, so a missing or damaged one is named
@@ -20,10 +25,12 @@ from pathlib import Path
 
 from swiftlm.config import InferConfig
 from swiftlm.data.loading import load_samples
-from swiftlm.errors import ConfigError
+from swiftlm.errors import ConfigError, DataError
 from swiftlm.infer.chat_images import text_prompt_sample, vision_prompt_sample
-from swiftlm.infer.frontend import InferEngine
+from swiftlm.infer.frontend import AnswersFailed, InferEngine
 from swiftlm.infer.resolve import InferenceModel
+
+FAILED_ROWS_SHOWN = 10  # rows named in the error; the results file marks them all
 
 
 def run_batch(
@@ -37,20 +44,39 @@ def run_batch(
     make_parent(path)  # fail before generating, not after
     prompts, labels = zip(*(split_reference(s["messages"]) for s in samples), strict=True)
     start, tokens_before = time.perf_counter(), engine.generated_tokens
-    responses = generate_in_batches(engine, list(prompts), cfg)
+    try:
+        responses, failures = generate_in_batches(engine, list(prompts), cfg), {}
+    except AnswersFailed as exc:  # the other rows' answers are kept and written
+        responses, failures = exc.answers, exc.failures
     seconds = time.perf_counter() - start
     records = [
         {"messages": prompt, "response": response, "labels": label, "source": sample["source"]}
         for prompt, response, label, sample in zip(prompts, responses, labels, samples, strict=True)
     ]
+    for i, reason in failures.items():
+        records[i]["error"] = reason
     write_results(path, records)
     tokens = engine.generated_tokens - tokens_before
     print(
-        f"Answered {len(records)} samples in {seconds:.1f} s "
+        f"Answered {len(records) - len(failures)} samples in {seconds:.1f} s "
         f"({tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s); results: {path}",
         flush=True,
     )
+    if failures:
+        raise failed_rows_error(records, failures, path)
     return records
+
+
+def failed_rows_error(records: list[dict], failures: dict[int, str], path: Path) -> DataError:
+    """The rows that got no answer, by file:line, once the others' answers are written."""
+    shown = [f"  {records[i]['source']}: {failures[i]}" for i in sorted(failures)]
+    more = len(shown) - FAILED_ROWS_SHOWN
+    shown = shown[:FAILED_ROWS_SHOWN] + ([f"  ... and {more} more"] if more > 0 else [])
+    return DataError(
+        f"{len(failures)} of {len(records)} rows could not be answered; the other answers are "
+        f'written to {path} (a failed row\'s line has "response": null and its "error"):\n'
+        + "\n".join(shown)
+    )
 
 
 def load_prompts(cfg: InferConfig, system: str | None, vision: bool = False) -> list[dict]:

@@ -15,10 +15,31 @@ from typing import Protocol
 
 from swiftlm.config import GenerationArguments, ModelArguments
 from swiftlm.engine.continuous import ContinuousEngine
-from swiftlm.engine.protocol import GenerationRequest, SampleDelta, SamplingParams, user_sampling
+from swiftlm.engine.protocol import (
+    GenerationFailed,
+    GenerationRequest,
+    SampleDelta,
+    SamplingParams,
+    user_sampling,
+)
 from swiftlm.infer.engine import build_engine
 from swiftlm.infer.resolve import InferenceModel
 from swiftlm.infer.vision import VisionEngine, build_vision_engine, is_vision_model
+
+
+class AnswersFailed(RuntimeError):
+    """Some conversations of `ChatEngine.generate` could not be answered. `answers` holds
+    every answer all the same (None where it failed), `failures` maps a conversation's index
+    to why, so that a batch keeps what did succeed."""
+
+    def __init__(self, answers: list[str | None], failures: dict[int, str]):
+        first = min(failures)
+        super().__init__(
+            f"could not answer {len(failures)} of {len(answers)} conversations; "
+            f"conversation {first + 1}: {failures[first]}"
+        )
+        self.answers = answers
+        self.failures = failures
 
 
 class InferEngine(Protocol):
@@ -94,9 +115,31 @@ class ChatEngine:
         return self.engine.generated_tokens
 
     def generate(self, conversations: list[list[dict]], gen: GenerationArguments) -> list[str]:
-        """Answer each conversation; greedy when `gen.temperature == 0`, else sampled."""
-        requests = [self.request(c, gen) for c in conversations]
-        return [samples[0].text for samples in self.engine.generate(requests)]
+        """Answer each conversation; greedy when `gen.temperature == 0`, else sampled.
+        `AnswersFailed` (holding the other answers) when some could not be answered: their
+        prompt does not fit, or their generation failed inside the engine."""
+        requests: dict[int, GenerationRequest] = {}
+        failures: dict[int, str] = {}
+        for i, conversation in enumerate(conversations):
+            try:
+                requests[i] = self.request(conversation, gen)
+                self.engine.validate(requests[i])
+            except Exception as exc:  # this conversation's problem, named with it
+                requests.pop(i, None)
+                failures[i] = str(exc) if isinstance(exc, ValueError) else _described(exc)
+        try:
+            results = self.engine.generate(list(requests.values()))
+        except GenerationFailed as exc:
+            results = exc.results
+            order = list(requests)  # the engine numbers only the requests it was given
+            failures |= {order[k]: reason for k, reason in exc.failures.items()}
+        answers: list[str | None] = [None] * len(conversations)
+        for i, samples in zip(requests, results, strict=True):
+            if i not in failures:
+                answers[i] = samples[0].text
+        if failures:
+            raise AnswersFailed(answers, failures)
+        return answers
 
     def stream(self, conversation: list[dict], gen: GenerationArguments) -> Iterator[str]:
         """Yield the answer's text piece by piece; closing the generator aborts it."""
@@ -157,6 +200,10 @@ class VisionChatEngine(ChatEngine):
             )
         params = sampling_params(gen, max_tokens=min(gen.max_new_tokens, room))
         return self.engine.request(prompt, params)
+
+
+def _described(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def sampling_params(gen: GenerationArguments, max_tokens: int) -> SamplingParams:

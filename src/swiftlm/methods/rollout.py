@@ -10,6 +10,10 @@ With LoRA the engine samples through the active adapter: the current policy.
 completion tokens only (the stop token included, so the policy learns to stop), and puts
 per-token values sampled by the engine (its log-probs) at the positions the trainer's
 shifted next-token log-probs have.
+
+A sample that fails inside the engine (the others of the batch still finish) stops the run
+with `RolloutFailed`, naming the prompt and the sample: a group with a missing completion
+has no advantages to train on, and silently dropping it would bias the step.
 """
 
 import dataclasses
@@ -20,11 +24,24 @@ import torch
 from swiftlm.data.collate import collate
 from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
-from swiftlm.engine.protocol import GenerationRequest, SampleResult, SamplingParams
+from swiftlm.engine.protocol import (
+    GenerationFailed,
+    GenerationRequest,
+    SampleResult,
+    SamplingParams,
+)
+from swiftlm.errors import SwiftLMError
 from swiftlm.methods.reference import unwrapped
 
 MAX_ENGINE_SEQUENCES = 64  # rows decoded together at most
 LOCKSTEP_SEQUENCES = 4096  # lockstep: every request of a call in one group
+
+
+PROMPT_SHOWN = 200  # characters of a failed prompt quoted in the error
+
+
+class RolloutFailed(SwiftLMError):
+    """A rollout sample failed inside the engine; the message names its prompt."""
 
 
 def _ignoring_eos(request: GenerationRequest) -> GenerationRequest:
@@ -56,12 +73,29 @@ class PolicySampler:
         try:
             policy.eval()
             results = engine.generate(requests)
+        except GenerationFailed as exc:
+            raise self._failed(requests, exc) from exc
         finally:
             policy.train(was_training)
         if self.lockstep:
             stops = set(engine.stop_token_ids)
             results = [[self._cut(sample, stops) for sample in group] for group in results]
         return results
+
+    def _failed(self, requests: list[GenerationRequest], exc: GenerationFailed) -> RolloutFailed:
+        index = min(exc.failures)
+        samples = exc.results[index]
+        sample = next((s.index for s in samples if s.error), 0)
+        prompt = self.tokenizer.decode(requests[index].prompt_ids, skip_special_tokens=True)
+        if len(prompt) > PROMPT_SHOWN:
+            prompt = prompt[:PROMPT_SHOWN] + "..."
+        return RolloutFailed(
+            f"sampling completions failed for {len(exc.failures)} of {len(requests)} prompts; "
+            "a group missing a completion has no advantages to train on, so the run stops. "
+            f"The first: sample {sample} of the prompt {prompt!r} failed with "
+            f"{exc.failures[index]} (the engine's log has its traceback); the last saved "
+            "checkpoint is intact"
+        )
 
     def _cut(self, sample: SampleResult, stops: set[int]) -> SampleResult:
         """The sample up to and with its first stop token (as the engine would have ended it)."""
