@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     config_name, module_name, description = COMMANDS[name]
     try:
         import swiftlm.config as config_module
+        from swiftlm.config.outputs import check_outputs
         from swiftlm.config.parse import parse_config
+        from swiftlm.config.paths import check_input_kinds
 
         argv = with_run_dirs(name, with_default_recipe(name, rest))
         # Before parsing: plugins may add names the flags are checked against.
@@ -157,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         config_cls = getattr(config_module, config_name)
         unused = config_module.UNUSED_FLAGS[name]
         cfg = parse_config(config_cls, argv, f"swiftlm {name}", description, unused)
+        # Before any work, and before torchrun starts workers: every path is the kind its
+        # flag needs, and no output writes over an input or an existing file.
+        check_input_kinds(cfg)
+        check_outputs(cfg)
         dist_args = getattr(cfg, "dist", None)
         if dist_args is not None and wants_launch(dist_args):
             from swiftlm.plan.auto import resolve_auto_strategy  # --strategy auto: plan once

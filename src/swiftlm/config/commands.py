@@ -6,6 +6,7 @@ from swiftlm.config.sections import (
     DataArguments,
     ModelArguments,
     OutputArguments,
+    OverwriteArguments,
     QuantArguments,
     TrainArguments,
     TunerArguments,
@@ -61,6 +62,7 @@ class InferConfig:
     data: DataArguments = field(default_factory=DataArguments)
     generation: GenerationArguments = field(default_factory=GenerationArguments)
     infer: InferArguments = field(default_factory=InferArguments)
+    overwrite: OverwriteArguments = field(default_factory=OverwriteArguments)
     plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
@@ -73,6 +75,7 @@ class EvalConfig:
     generation: GenerationArguments = field(default_factory=GenerationArguments)
     infer: InferArguments = field(default_factory=InferArguments)
     eval: EvalArguments = field(default_factory=EvalArguments)
+    overwrite: OverwriteArguments = field(default_factory=OverwriteArguments)
     plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
@@ -85,6 +88,7 @@ class ExportConfig:
     infer: InferArguments = field(default_factory=InferArguments)
     export: ExportArguments = field(default_factory=ExportArguments)
     quant: QuantArguments = field(default_factory=QuantArguments)
+    overwrite: OverwriteArguments = field(default_factory=OverwriteArguments)
     plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
@@ -229,6 +233,7 @@ class ReportConfig:
     """`swiftlm report`: run directories to draw as one offline page, optionally served live."""
 
     report: ReportArguments = field(default_factory=ReportArguments)
+    overwrite: OverwriteArguments = field(default_factory=OverwriteArguments)
     plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
@@ -251,4 +256,5 @@ class PlanConfig:
     # --nnodes; not named `dist`, which makes a command launch its processes under torchrun
     nodes: DistArguments = field(default_factory=DistArguments)
     plan: PlanArguments = field(default_factory=PlanArguments)
+    overwrite: OverwriteArguments = field(default_factory=OverwriteArguments)
     plugins: PluginArguments = field(default_factory=PluginArguments)

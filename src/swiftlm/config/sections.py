@@ -341,6 +341,19 @@ class OutputArguments:
 
 
 @dataclass
+class OverwriteArguments:
+    """The overwrite flag of the commands that write one file or folder (infer, eval, export,
+    report, plan); training's own, which deletes an earlier run, is in OutputArguments."""
+
+    overwrite_output_dir: bool = doc(
+        "Replace what the output flag (--result_path, --eval_output_dir, --output_dir, "
+        "--output, --output_json) names when it exists already. Without it an existing file "
+        "is refused. An input of the run (dataset, model, run directory) is refused always.",
+        default=False,
+    )
+
+
+@dataclass
 class QuantArguments:
     quant_method: Literal["bnb", "int8", "int4", "gptq", "awq"] | None = doc(
         "Weight quantization. Training (sft/pt): bnb loads the frozen base in 4 or 8 bits "

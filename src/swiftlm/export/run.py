@@ -30,11 +30,15 @@ def chosen_format(cfg: ExportConfig) -> str:
 
 
 def output_folder(cfg: ExportConfig) -> Path:
-    """--output_dir, which must be new or empty (that it is given is a rule)."""
+    """--output_dir, which must be new or empty unless --overwrite_output_dir true (that it
+    is given is a rule; that it holds no input, `config/outputs.py`)."""
     check_writable_folder(cfg.export.output_dir, "--output_dir")
     out = Path(cfg.export.output_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--output_dir {out} is not empty; choose a new folder")
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite.overwrite_output_dir:
+        raise ConfigError(
+            f"--output_dir {out} is not empty; choose a new folder, or add "
+            "--overwrite_output_dir true to write into it"
+        )
     return out
 
 

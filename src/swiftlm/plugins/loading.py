@@ -18,7 +18,9 @@ from types import ModuleType
 
 import yaml
 
+from swiftlm.config.paths import PLUGIN_FILE, check_input_path
 from swiftlm.distributed.failures import failure_dir
+from swiftlm.errors import ConfigError
 from swiftlm.plugins.context import PluginError, loading, require_api
 from swiftlm.plugins.guards import SWIFTLM_DIR, where
 
@@ -123,11 +125,16 @@ def _load_entry_point(entry_point) -> str:
 def _load_file(file: str, path: Path) -> str:
     label = f"plugin file {path}"
     with loading(label):
-        if not path.is_file():
+        if not path.exists():
             raise PluginError(
                 f"--external_plugins {file}: the file {path} does not exist; give the path "
-                "of a Python file that registers plugins (see docs/plugins.md)"
+                f"of {PLUGIN_FILE.takes}"
             )
+        # A folder or a .txt here would otherwise reach importlib, which has no loader for it.
+        try:
+            check_input_path(file, "--external_plugins", PLUGIN_FILE)
+        except ConfigError as exc:
+            raise PluginError(str(exc)) from None
         module_name = f"swiftlm_external_plugin_{path.stem}_{len(_files_done)}"
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
