@@ -146,11 +146,10 @@ def test_unknown_columns_are_reported_once_with_counts(tmp_path):
         "data: columns not used by sft: id (3 rows), source (2 rows), text (1 row)"
     ]
     assert samples[0]["source"] == f"{path}:1"  # the loader's own key, not the column's
-    # pt refuses row 2 (its tools) and reads the text column of row 3.
+    # pt refuses row 2 (its tools) and row 3, whose text and conversation are two readings.
     _, pt_report = load_samples([str(path)], text_sample, skip_bad_rows=True)
-    assert pt_report.notices("pt") == [
-        "data: columns not used by pt: id (2 rows), query (1 row), response (1 row), source (1 row)"
-    ]
+    assert pt_report.notices("pt") == ["data: columns not used by pt: id (1 row), source (1 row)"]
+    assert pt_report.bad_kinds["two layouts"] == 1
     assert LoadReport().notices("sft") == []
 
 

@@ -142,9 +142,10 @@ def test_query_response_with_history_and_system():
     ]
 
 
-def test_detection_order_prefers_messages_over_other_keys():
+def test_a_row_in_two_formats_is_refused_not_read_one_way():
     record = {"messages": [user("a"), assistant("b")], "query": "x", "response": "y"}
-    assert to_messages(record) == [user("a"), assistant("b")]
+    message = expect_error("two layouts", "'messages' (role/content list) and 'query'", record)
+    assert "keep one layout per row" in message
 
 
 def test_null_messages_column_falls_through_to_next_format():

@@ -12,7 +12,8 @@ Accepted row formats, tried in this order:
 - Alpaca: `{"instruction": ..., "input"?: ..., "output": ..., "system"?: ..., "history"?: ...}`
 - query/response: `{"query": ..., "response": ..., "history"?: [[q, r], ...], "system"?: ...}`
 
-Any of them may add a `tools` list. A field whose value is None counts as absent (parquet
+A row that fills the columns of two of them (`messages` and `instruction`, say) is refused:
+either reading would drop the other. Any of them may add a `tools` list. A field whose value is None counts as absent (parquet
 and hub datasets fill missing columns with None). Problems raise `RowError`, whose `kind` is
 a short category for counting.
 
@@ -24,7 +25,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from swiftlm.data.columns import TOOLS_FOR_SFT, refuse_media_parts, refuse_other_method_columns
+from swiftlm.data.columns import (
+    TOOLS_FOR_SFT,
+    given,
+    refuse_media_parts,
+    refuse_other_method_columns,
+)
 from swiftlm.data.parts import content_images, content_text, parse_part
 from swiftlm.data.row_formats import registered_format
 from swiftlm.data.rows import RowError, message_loss, type_name
@@ -158,6 +164,8 @@ def to_text(record: dict) -> str:
     Images and tool calls are not text: a chat row holding them is refused.
     """
     text = record.get("text")
+    if given(text):
+        refuse_two_layouts(["'text'", *layouts_of(record)], reader="pt")
     if text is None:
         if not _has_chat_format(record):
             keys = sorted(record)
@@ -247,12 +255,43 @@ def _check_content(role: str, content: str | list[dict], index: int) -> None:
     raise RowError("empty content", f"empty content in {role} message {index}")
 
 
+# The column that puts a row in each chat format, and how messages name the format.
+LAYOUT_COLUMNS = {
+    "messages": ("messages", "'messages' (role/content list)"),
+    "conversations": ("conversations", "'conversations' (ShareGPT)"),
+    "alpaca": ("instruction", "'instruction' + 'output' (Alpaca)"),
+    "query": ("query", "'query' + 'response'"),
+}
+
+
+def layouts_of(record: dict) -> list[str]:
+    """How a message names each chat format whose column the row fills."""
+    return [name for column, name in LAYOUT_COLUMNS.values() if given(record.get(column))]
+
+
+def refuse_two_layouts(layouts: list[str], reader: str = "swiftlm") -> None:
+    """A row in two layouts at once could be read either way: say so rather than pick one."""
+    if len(layouts) > 1:
+        raise RowError(
+            "two layouts",
+            f"the row is in {_count(layouts)} layouts at once: {' and '.join(layouts)}; {reader} "
+            "would read one and drop the other: keep one layout per row (remove the other "
+            "columns)",
+        )
+
+
+def _count(items: list) -> str:
+    return {2: "two", 3: "three"}.get(len(items), str(len(items)))
+
+
 def _chat_format(record: dict, require_answer: bool = True) -> str | None:
-    """The chat format of a row (a FORMAT_COLUMNS key), None when it has none.
+    """The chat format of a row (a FORMAT_COLUMNS key), None when it has none; a row in two
+    is refused.
 
     Inference prompts (`require_answer=False`) may omit the answer field (`output` or
     `response`).
     """
+    refuse_two_layouts(layouts_of(record))
     if record.get("messages") is not None:
         return "messages"
     if record.get("conversations") is not None:

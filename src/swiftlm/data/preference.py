@@ -30,6 +30,7 @@ def preference_sample(
     """`{"chosen": messages, "rejected": messages}`, both ending with the answer; RowError.
 
     Image parts are refused unless `images` (a vision-language model, data.vision_rows)."""
+    _refuse_both_layouts(record)
     if given(record.get("rejected_response")) or given(record.get("rejected_messages")):
         chosen, rejected = _ms_swift(record)
     elif given(record.get("chosen")) and given(record.get("rejected")):
@@ -50,6 +51,21 @@ def preference_sample(
         if system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
     return {"chosen": chosen, "rejected": rejected}
+
+
+def _refuse_both_layouts(record: dict) -> None:
+    """ms-swift's columns beside TRL's: either reading would drop the other pair."""
+    ms_swift = [
+        c for c in ("messages", "rejected_response", "rejected_messages") if given(record.get(c))
+    ]
+    trl = [c for c in ("chosen", "rejected") if given(record.get(c))]
+    if ms_swift and trl:
+        raise RowError(
+            "two layouts",
+            f"the row is in both preference layouts: ms-swift ({' + '.join(ms_swift)}) and TRL "
+            f"({' + '.join(trl)}); swiftlm would read one pair and drop the other: keep one "
+            "layout per row",
+        )
 
 
 def _ms_swift(record: dict) -> tuple[list[dict], list[dict]]:

@@ -10,6 +10,7 @@ ROW_ERROR_KINDS = (
     "invalid CSV",
     "not an object",
     "no recognizable format",
+    "two layouts",
     "unknown role",
     "empty content",
     "empty assistant answer",

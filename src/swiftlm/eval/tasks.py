@@ -21,7 +21,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swiftlm.data.formats import RowError, to_messages
+from swiftlm.data.formats import RowError, layouts_of, refuse_two_layouts, to_messages
 from swiftlm.data.loading import load_samples
 from swiftlm.data.sources import BUILTIN_DATASETS, builtin_dataset_path, parse_dataset_spec
 from swiftlm.errors import DataError
@@ -146,6 +146,8 @@ QA_COLUMNS = (("question", "answer"), ("prompt", "completion"))
 
 
 def _qa_messages(record: dict) -> list[dict] | None:
+    pairs = [f"'{p}' + '{a}'" for p, a in QA_COLUMNS if _texts(record, p, a)]
+    refuse_two_layouts(pairs + layouts_of(record))
     for prompt, answer in QA_COLUMNS:
         if isinstance(record.get(prompt), str) and isinstance(record.get(answer), str):
             if not record[prompt].strip():
@@ -153,6 +155,10 @@ def _qa_messages(record: dict) -> list[dict] | None:
             user = {"role": "user", "content": record[prompt]}
             return [user, {"role": "assistant", "content": record[answer]}]
     return None
+
+
+def _texts(record: dict, *keys: str) -> bool:
+    return all(isinstance(record.get(key), str) for key in keys)
 
 
 def generation_row(record: dict, placeholders: dict[str, str]) -> dict:
@@ -191,8 +197,15 @@ def perplexity_row(record: dict, placeholders: dict[str, str]) -> dict:
     return {"sample": Sample("", text)}
 
 
+QUESTION_COLUMNS = ("question", "query", "prompt")
+ANSWER_COLUMNS = ("answer", "label")
+
+
 def multiple_choice_row(record: dict, placeholders: dict[str, str]) -> dict:
-    question = next((record[k] for k in ("question", "query", "prompt") if k in record), None)
+    # `query` may be the question; a conversation beside the choices is another task's row.
+    chats = [name for name in layouts_of(record) if not name.startswith("'query'")]
+    refuse_two_layouts(["'choices' (multiple choice)", *chats])
+    question = _one_of(record, QUESTION_COLUMNS, "question")
     if not isinstance(question, str) or not question.strip():
         raise RowError("no question", "a multiple-choice row needs a 'question' string")
     choices = record.get("choices")
@@ -200,23 +213,68 @@ def multiple_choice_row(record: dict, placeholders: dict[str, str]) -> dict:
         raise RowError("bad choices", "'choices' must be a list of at least 2 strings")
     if not all(isinstance(c, str) and c.strip() for c in choices):
         raise RowError("bad choices", "every choice must be a non-empty string")
-    label = _choice_label(record.get("answer", record.get("label")), choices)
+    _refuse_repeated_choices(choices)
+    labels = {
+        key: _choice_label(record[key], choices, key) for key in ANSWER_COLUMNS if key in record
+    }
+    if not labels:
+        raise RowError("no answer", "'answer' must be the right choice's index or letter")
+    if len(set(labels.values())) > 1:
+        raise RowError(
+            "bad answer",
+            f"'answer' {record['answer']!r} and 'label' {record['label']!r} name different "
+            "choices; keep the one that is right",
+        )
+    label = next(iter(labels.values()))
     return {"sample": Sample("", question, choices=tuple(choices), label=label)}
 
 
-def _choice_label(answer, choices: list[str]) -> int:
+def _one_of(record: dict, keys: tuple[str, ...], what: str):
+    """The value of the one column of `keys` the row has: two could each be the question."""
+    present = [key for key in keys if key in record]
+    if len(present) > 1:
+        raise RowError(
+            "two layouts",
+            f"the row has {' and '.join(repr(k) for k in present)}, each of which could be the "
+            f"{what}: keep one",
+        )
+    return record[present[0]] if present else None
+
+
+def _refuse_repeated_choices(choices: list[str]) -> None:
+    """Two equal choices: the right one's likelihood is also a wrong one's, and an answer
+    given as text names two indexes, so the row's score is undefined."""
+    seen: dict[str, int] = {}
+    for number, choice in enumerate(choices, start=1):
+        key = choice.strip()
+        if key in seen:
+            raise RowError(
+                "bad choices",
+                f"choices {seen[key]} and {number} are both {choice!r}: with a repeated "
+                "choice the row's score is undefined; make every choice different",
+            )
+        seen[key] = number
+
+
+def _choice_label(answer, choices: list[str], key: str = "answer") -> int:
     if isinstance(answer, bool) or answer is None:
-        raise RowError("no answer", "'answer' must be the right choice's index or letter")
+        raise RowError("no answer", f"{key!r} must be the right choice's index or letter")
     if isinstance(answer, int):
         index = answer
     elif isinstance(answer, str) and len(answer.strip()) == 1 and answer.strip().isalpha():
         index = CHOICE_LETTERS.index(answer.strip().upper())
+        if answer in choices and choices.index(answer) != index:
+            raise RowError(
+                "bad answer",
+                f"{key!r} {answer!r} is both the letter of choice {index + 1} and the text of "
+                f"choice {choices.index(answer) + 1}; give the index instead",
+            )
     elif isinstance(answer, str) and answer in choices:
         index = choices.index(answer)
     else:
-        raise RowError("bad answer", f"'answer' {answer!r} is not an index, letter or choice")
+        raise RowError("bad answer", f"{key!r} {answer!r} is not an index, letter or choice")
     if not 0 <= index < len(choices):
-        raise RowError("bad answer", f"'answer' {answer!r} is outside the {len(choices)} choices")
+        raise RowError("bad answer", f"{key!r} {answer!r} is outside the {len(choices)} choices")
     return index
 
 
