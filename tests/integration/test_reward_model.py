@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
-from conftest import logged, max_weight_difference, write_jsonl
+from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
+from tolerance import assert_close, assert_trained_weights_close, backward_terms, forward_terms
 
 ADAPTER = "final/adapter_model.safetensors"
 # The learnable task: the same fact, said politely (chosen) or rudely (rejected), before or
@@ -19,6 +20,33 @@ ADAPTER = "final/adapter_model.safetensors"
 TOPICS = ["cat", "dog", "fox", "France", "Paris", "data", "model", "story", "train", "loss"]
 POLITE = ["Thank you!", "Glad to help.", "Please ask again.", "Happy to help!"]
 RUDE = ["Go away.", "Do not ask.", "I refuse.", "Stop it."]
+
+
+# Every conversation here is shorter than 64 tokens (the tests' max_length).
+TERMS = forward_terms(tokens=64)
+
+
+def reward_size(model, ids: torch.Tensor) -> float:
+    """What a reward's rounding is relative to (tests/tolerance.py): the score head's dot
+    product with the last position's hidden state, sum_k |w_k| |h_k|, not the reward's own
+    size (its terms cancel)."""
+    head = next(m for n, m in model.named_modules() if n.split(".")[-1] == "score")
+    ends = ("score.weight", "score.modules_to_save.default.weight")
+    weight = next(p for n, p in model.named_parameters() if n.endswith(ends))
+    seen = []
+    handle = head.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    return float(weight.detach().double().abs() @ seen[0][0, -1].double().abs())
+
+
+def logged_reward_size(run_dir) -> float:
+    """The largest |chosen| + |rejected| reward a run logged, and its loss: what the rounding
+    of a logged loss or margin is relative to (a softplus of the margin has slope <= 1)."""
+    chosen, rejected = logged(run_dir, "rewards/chosen"), logged(run_dir, "rewards/rejected")
+    rewards = zip(chosen, rejected, strict=True)
+    return max(abs(c) + abs(r) for c, r in rewards) + max(logged(run_dir))
 
 
 def polite_pairs(seed: int, count: int, topics: list[str]) -> list[dict]:
@@ -132,6 +160,7 @@ def build_batch(model_dir, rows, train_type="lora"):
     return method, method.collate(Layout([[s] for s in samples], False)), model, samples
 
 
+@pytest.mark.numerics
 def test_the_loss_of_a_batch_equals_an_independent_computation(tiny_model_dir):
     """Rewards from separate forwards of each conversation (no padding): the transformer's
     last hidden state times the score head, in float64; Bradley-Terry with margins by hand."""
@@ -146,18 +175,23 @@ def test_the_loss_of_a_batch_equals_an_independent_computation(tiny_model_dir):
             hidden = inner.model(torch.tensor([ids])).last_hidden_state[0, -1].double()
         return (head @ hidden).item()
 
-    expected, margins, correct = 0.0, 0.0, 0
+    expected, margins, correct, size = 0.0, 0.0, 0, 0.0
     for s, row in zip(samples, rows, strict=True):
         c, r = reward(s["chosen_input_ids"]), reward(s["rejected_input_ids"])
         expected += -math.log(1 / (1 + math.exp(-(c - r - row["margin"]))))
         margins, correct = margins + (c - r), correct + (c > r)
-    assert loss.item() == pytest.approx(expected, abs=1e-5)
-    assert metrics["rewards/margins"].item() == pytest.approx(margins, abs=1e-5)
+        for key in ("chosen_input_ids", "rejected_input_ids"):
+            size += reward_size(inner, torch.tensor([s[key]]))
+    # Padded batch against separate forwards: the loss sums softplus of the margins (slope
+    # <= 1), so both carry the rewards' roundings, and the loss its own.
+    assert_close(loss, expected, terms=TERMS, magnitude=size + expected, what="loss")
+    assert_close(metrics["rewards/margins"], margins, terms=TERMS, magnitude=size, what="margins")
     assert metrics["rewards/accuracies"].item() == correct
     assert method.normalizer(batch) == 3
     assert batch["margin"].tolist() == [0, 1.5, -0.5]
 
 
+@pytest.mark.numerics
 def test_accumulating_4_micro_batches_of_1_equals_1_batch_of_4(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", TRAIN[:16])
     common = dict(max_steps=3, learning_rate="5e-3", lora_dropout=0)
@@ -167,17 +201,18 @@ def test_accumulating_4_micro_batches_of_1_equals_1_batch_of_4(tiny_model_dir, t
     }
     for name, flags in runs.items():
         assert main(rm(tiny_model_dir, data, tmp_path / name, **common, **flags)) == 0
-    assert logged(tmp_path / "four") == pytest.approx(logged(tmp_path / "one"), abs=1e-6)
+    size = logged_reward_size(tmp_path / "one")
+    for key in ("loss", "rewards/margins"):
+        one, four = logged(tmp_path / "one", key), logged(tmp_path / "four", key)
+        assert_close(four, one, terms=TERMS, magnitude=size, what=key)
     norms = logged(tmp_path / "one", "grad_norm")
-    assert logged(tmp_path / "four", "grad_norm") == pytest.approx(norms, rel=1e-6)
-    for key in ("rewards/margins", "rewards/accuracies"):
-        expected = logged(tmp_path / "one", key)
-        assert logged(tmp_path / "four", key) == pytest.approx(expected, abs=1e-6)
+    assert_close(logged(tmp_path / "four", "grad_norm"), norms, terms=backward_terms(64))
+    # A count of margins above 0, none of them within rounding of 0.
+    accuracies = logged(tmp_path / "one", "rewards/accuracies")
+    assert logged(tmp_path / "four", "rewards/accuracies") == accuracies
     # The score head trains and is saved with the adapter (peft's SEQ_CLS modules_to_save).
     one, four = tmp_path / "one" / ADAPTER, tmp_path / "four" / ADAPTER
-    # Adam divides by sqrt(v): the LoRA A matrices get near-zero gradients while B is still
-    # near 0, so float32 summation-order noise moves them by up to ~1e-5 (measured 1.03e-5).
-    assert max_weight_difference(one, four) < 5e-5
+    assert_trained_weights_close(one, four, learning_rate=5e-3, steps=3)
 
 
 def test_the_margin_column_raises_the_loss_of_the_same_rewards(tiny_model_dir, tmp_path):
@@ -190,7 +225,7 @@ def test_the_margin_column_raises_the_loss_of_the_same_rewards(tiny_model_dir, t
         )
         assert main(rm(tiny_model_dir, data, tmp_path / f"m{margin}", **flags)) == 0
     d0, d2 = (logged(tmp_path / f"m{m}", "rewards/margins")[0] for m in (0, 2))
-    assert d0 == pytest.approx(d2, abs=1e-6)
+    assert d0 == d2  # the same forward of the same weights: bit for bit
     assert logged(tmp_path / "m2")[0] > logged(tmp_path / "m0")[0] + 0.1
     config = json.loads((tmp_path / "m2" / "final" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
@@ -223,12 +258,17 @@ def test_scores_are_the_trained_model_s_rewards_and_full_runs_load_as_a_model(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1, pad_token_id=0)  # fmt: skip
     model = PeftModel.from_pretrained(base, polite_run / "final").eval()
+    sizes = []
     for row, score in zip(rows, scores, strict=False):
         text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            assert model(input_ids=ids).logits[0, 0].item() == pytest.approx(score, abs=1e-4)
-    assert scores[-1] == pytest.approx(scores[0], abs=1e-6)
+            unmerged = model(input_ids=ids).logits[0, 0].item()
+        # Merged (W + BA, a rounding of |W| + |BA|) and batched against unmerged and alone.
+        sizes.append(reward_size(model, ids))
+        assert_close(unmerged, score, terms=TERMS + 1, magnitude=sizes[-1], what="score")
+    # The same ids either way; in one padded batch, rows of other lengths beside them.
+    assert_close(scores[-1], scores[0], terms=TERMS, magnitude=sizes[0], what="prompt/response")
 
 
 @pytest.mark.bad_input(
@@ -277,6 +317,7 @@ def score_client(polite_run):
         yield client, scorer
 
 
+@pytest.mark.numerics
 def test_the_score_route_scores_one_or_several_conversations(score_client):
     client, scorer = score_client
     rows = [r["messages"] for r in conversations(HELD_OUT[:2])]
@@ -286,8 +327,11 @@ def test_the_score_route_scores_one_or_several_conversations(score_client):
     assert many["object"] == "list" and many["model"] == "polite-rm"
     assert [d["index"] for d in many["data"]] == [0, 1, 2, 3]
     scores = [d["score"] for d in many["data"]]
-    assert scores == pytest.approx(scorer.score_ids([scorer.encode(m) for m in rows]), abs=1e-6)
-    assert one.json()["data"][0]["score"] == pytest.approx(scores[0], abs=1e-5)
+    ids = [scorer.encode(m) for m in rows]
+    assert scores == scorer.score_ids(ids)  # the same call on the same rows: bit for bit
+    # Alone against in a padded batch of 4.
+    size = reward_size(scorer.model, torch.tensor([ids[0]], device=scorer.device))
+    assert_close(one.json()["data"][0]["score"], scores[0], terms=TERMS, magnitude=size)
     assert scores[0] > scores[1] and scores[2] > scores[3]  # polite above rude
     tokens = sum(len(scorer.encode(m)) for m in rows)
     assert many["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
@@ -398,6 +442,7 @@ def test_with_lora_the_score_head_trains_in_float32_beside_the_adapters(tiny_mod
     assert set(trained.values()) == {torch.float32}
 
 
+@pytest.mark.numerics
 def test_two_gloo_ranks_equal_one_process_under_ddp_and_fsdp2(tiny_model_dir, tmp_path):
     """The pair normalizer is summed over ranks before the forward; the score head (peft's
     modules_to_save) trains and saves under both wrappers."""
@@ -410,12 +455,11 @@ def test_two_gloo_ranks_equal_one_process_under_ddp_and_fsdp2(tiny_model_dir, tm
     }  # fmt: skip
     for name, flags in runs.items():
         assert main(rm(tiny_model_dir, data, tmp_path / name, **steps, **flags)) == 0, name
+    size = logged_reward_size(tmp_path / "single")
     for name in ("ddp", "fsdp2"):
-        # Adam's first steps move a weight by about the learning rate whatever its gradient's
-        # size, so summation-order noise in near-zero gradients shows up to ~2.5e-4 in the
-        # weights and ~3e-5 in step 3's rewards (margins about 1.4).
-        assert logged(tmp_path / name) == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
-        margins = logged(tmp_path / "single", "rewards/margins")
-        assert logged(tmp_path / name, "rewards/margins") == pytest.approx(margins, abs=1e-4)
+        for key in ("loss", "rewards/margins"):
+            single, run = logged(tmp_path / "single", key), logged(tmp_path / name, key)
+            # + the all-reduce of two ranks' sums
+            assert_close(run, single, terms=TERMS + 2, magnitude=size, what=f"{name} {key}")
         a, b = tmp_path / "single" / ADAPTER, tmp_path / name / ADAPTER
-        assert max_weight_difference(a, b) < 1e-3, name
+        assert_trained_weights_close(a, b, learning_rate=5e-3, steps=3)
