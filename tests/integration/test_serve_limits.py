@@ -99,6 +99,13 @@ HOSTILE = [
     ("max_tokens a float", "/v1/chat/completions", chat(max_tokens=5.5), 400),
     ("seed past 64 bits", "/v1/chat/completions", chat(seed=2**80), 400),
     ("null content", "/v1/chat/completions", chat(messages=[{"role": "user"}]), 400),
+    (
+        "unpaired surrogate",  # json.dumps writes it as the escape \ud800
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": "a\ud800"}]),
+        400,
+    ),
+    ("surrogate in a prompt", "/v1/completions", {"model": "tiny", "prompt": "\udfff"}, 400),
     ("negative logprobs", "/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": -1}, 400),
     ("suffix", "/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400),
     ("unknown route", "/v1/embeddings", {"model": "tiny", "input": "x"}, 404),

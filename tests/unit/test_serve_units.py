@@ -139,7 +139,7 @@ def test_fields_are_typed_strictly_and_range_checked_as_openai_does():
 
 @pytest.mark.bad_input(
     input="`swiftlm deploy`: a chat message whose content is null (or missing) without "
-    "tool_calls, or content of another type",
+    "tool_calls, content of another type, or text with an unpaired surrogate (`\\ud800`)",
     outcome="400 naming `messages[i].content` and the forms it may take",
 )
 def test_message_content_is_required_unless_the_assistant_called_tools():
@@ -156,6 +156,11 @@ def test_message_content_is_required_unless_the_assistant_called_tools():
     assert param == "messages.0.content" and message.startswith(
         "'messages[0].content' must be a string, a list of content parts"
     )
+    # An unpaired surrogate (JSON's "\ud800") is no text: tokenizers raise on it.
+    message, param = refusal(
+        ChatCompletionRequest, messages=[{"role": "user", "content": "\ud800"}]
+    )
+    assert param == "messages.0.content" and "unpaired UTF-16 surrogate" in message
     parts = [{"type": "text", "text": "a"}, {"type": "video"}]
     message, param = refusal(ChatCompletionRequest, messages=[{"role": "user", "content": parts}])
     assert param == "messages.0.content.1" and "must be a content part" in message
