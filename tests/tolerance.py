@@ -125,32 +125,37 @@ def assert_close(
 
 
 def assert_trained_weights_close(
-    file_a: Path, file_b: Path, *, learning_rate: float, steps: int
+    weights_a: Path | dict, weights_b: Path | dict, *, learning_rate: float, steps: int
 ) -> None:
-    """Assert two safetensors files of weights trained with Adam from the same start, by
-    arithmetic equal in exact numbers, agree: each tensor's root-mean-square difference within
-    ADAM_RELATIVE of the largest move Adam can make in `steps` steps of `learning_rate`."""
-    from safetensors.torch import load_file
-
-    a, b = load_file(file_a), load_file(file_b)
-    assert a.keys() == b.keys(), f"{file_a} and {file_b} hold different tensors"
+    """Assert two sets of weights (safetensors files or name -> tensor dicts) trained with Adam
+    from the same start, by arithmetic equal in exact numbers, agree: each tensor's
+    root-mean-square difference within ADAM_RELATIVE of the largest move Adam can make in
+    `steps` steps of `learning_rate`."""
+    a, b = _tensors(weights_a), _tensors(weights_b)
+    assert a.keys() == b.keys(), f"{weights_a} and {weights_b} hold different tensors"
     bound = ADAM_RELATIVE * learning_rate * steps
     rms, key = max((_rms_difference(a[key], b[key]), key) for key in a)
     assert rms <= bound, (
         f"trained weights {key} differ by {rms:.3g} (root mean square), above {bound:.3g} "
-        f"({ADAM_RELATIVE} of lr {learning_rate} x {steps} steps): {file_a} vs {file_b}"
+        f"({ADAM_RELATIVE} of lr {learning_rate} x {steps} steps)"
     )
 
 
-def assert_same_weights(file_a: Path, file_b: Path) -> None:
-    """Assert two safetensors files hold bit-identical tensors (same arithmetic: no rounding
-    can differ, so no tolerance)."""
+def assert_same_weights(weights_a: Path | dict, weights_b: Path | dict) -> None:
+    """Assert two sets of weights (safetensors files or dicts) hold bit-identical tensors (the
+    same arithmetic: no rounding can differ, so no tolerance)."""
+    a, b = _tensors(weights_a), _tensors(weights_b)
+    assert a.keys() == b.keys(), f"{weights_a} and {weights_b} hold different tensors"
+    different = [key for key in a if not torch.equal(a[key], b[key])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[0]}"
+
+
+def _tensors(weights: Path | dict) -> dict:
+    if isinstance(weights, dict):
+        return weights
     from safetensors.torch import load_file
 
-    a, b = load_file(file_a), load_file(file_b)
-    assert a.keys() == b.keys(), f"{file_a} and {file_b} hold different tensors"
-    different = [key for key in a if not torch.equal(a[key], b[key])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[0]}: {file_a}"
+    return load_file(weights)
 
 
 def _rms_difference(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,10 +8,11 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from conftest import max_weight_difference, stopped_at, tiny_sft
+from conftest import stopped_at, tiny_sft
 from swiftlm.checkpoint import replicated
 from swiftlm.checkpoint.tensors import read_optimizer, read_weights
 from swiftlm.cli.main import main
+from tolerance import assert_same_weights
 
 ADAPTER, FULL = "adapter_model.safetensors", "model.safetensors"
 LORA = dict(lora_dropout=0, learning_rate="1e-2", max_steps=6, save_steps=2)
@@ -38,8 +39,7 @@ def test_async_checkpoints_equal_sync_ones_and_resume_exactly(
     resumed = stopped_at(background, 2, tmp_path / "resumed")
     again = dict(flags, async_save="true", resume_from_checkpoint="auto")
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, resumed, **again)) == 0
-    difference = max_weight_difference(background / "final" / ADAPTER, resumed / "final" / ADAPTER)
-    assert difference < 1e-6
+    assert_same_weights(background / "final" / ADAPTER, resumed / "final" / ADAPTER)
 
 
 @pytest.mark.bad_input(
@@ -80,7 +80,7 @@ def test_async_ddp_checkpoints_resume_exactly(tiny_model_dir, chat_jsonl, tmp_pa
     resumed = stopped_at(run, 2, tmp_path / "resumed")
     again = dict(flags, resume_from_checkpoint="auto", master_port=30011)
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, resumed, **again)) == 0
-    assert max_weight_difference(run / "final" / ADAPTER, resumed / "final" / ADAPTER) < 1e-6
+    assert_same_weights(run / "final" / ADAPTER, resumed / "final" / ADAPTER)
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_async_pipeline_stages_resume_exactly(tiny_model_dir, chat_jsonl, tmp_pa
     shutil.rmtree(resumed / "checkpoints" / "step-4")
     again = dict(flags, resume_from_checkpoint="auto", master_port=30014)
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, resumed, **again)) == 0
-    assert max_weight_difference(run / "final" / FULL, resumed / "final" / FULL) <= 1e-6
+    assert_same_weights(run / "final" / FULL, resumed / "final" / FULL)
 
 
 def test_the_last_background_save_counts_towards_the_save_total_limit(

@@ -9,8 +9,9 @@ import socket
 
 import pytest
 
-from conftest import max_weight_difference, tiny_sft
+from conftest import tiny_sft
 from swiftlm.cli.main import main
+from tolerance import assert_same_weights
 
 moto_server = pytest.importorskip(
     "moto.server", reason="moto[server] is not installed (the dev extra: scripts/setup.sh)"
@@ -78,7 +79,7 @@ def test_a_mirrored_checkpoint_is_resumed_after_the_local_copies_are_gone(
     printed = capsys.readouterr().out
     assert "downloading step-4 from the mirror s3://ckpts/run" in printed
     assert f"resumed from {run}/checkpoints/step-4 (mirror) at step 4" in printed
-    assert max_weight_difference(uninterrupted, run / ADAPTER) <= 1e-6
+    assert_same_weights(uninterrupted, run / ADAPTER)
 
     # A mirrored checkpoint named by its URL, into a new run directory.
     again = tmp_path / "again"
@@ -87,4 +88,4 @@ def test_a_mirrored_checkpoint_is_resumed_after_the_local_copies_are_gone(
         main(tiny_sft(tiny_model_dir, chat_jsonl, again, **flags, resume_from_checkpoint=url)) == 0
     )
     assert f"resumed from {again}/checkpoints/step-2 (mirror) at step 2" in capsys.readouterr().out
-    assert max_weight_difference(uninterrupted, again / ADAPTER) <= 1e-6
+    assert_same_weights(uninterrupted, again / ADAPTER)

@@ -5,8 +5,9 @@ Each 2-rank launch costs ~7 s (two torch imports), so one launch covers several 
 
 import pytest
 
-from conftest import logged, max_weight_difference, tiny_sft
+from conftest import logged, tiny_sft
 from swiftlm.cli.main import main
+from tolerance import assert_close, assert_trained_weights_close, forward_terms
 
 ADAPTER = "adapter_model.safetensors"
 STEPS = dict(
@@ -14,6 +15,7 @@ STEPS = dict(
 )
 
 
+@pytest.mark.numerics
 def test_ddp_two_ranks_match_a_single_process(tiny_model_dir, chat_jsonl, tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     assert (
@@ -34,9 +36,11 @@ def test_ddp_two_ranks_match_a_single_process(tiny_model_dir, chat_jsonl, tmp_pa
         )
         == 0
     )
-    assert logged(ddp) == pytest.approx(logged(single), abs=1e-5)
+    # chat rows are under 64 tokens; + 2: the all-reduce of two ranks' sums
+    assert_close(logged(ddp), logged(single), terms=forward_terms(tokens=64) + 2, what="loss")
     assert all(n > 0 for n in logged(ddp, "comm_bytes_per_rank"))  # DDP's all-reduce ran
-    assert max_weight_difference(single / "final" / ADAPTER, ddp / "final" / ADAPTER) < 1e-5
+    a, b = single / "final" / ADAPTER, ddp / "final" / ADAPTER
+    assert_trained_weights_close(a, b, learning_rate=1e-2, steps=STEPS["max_steps"])
     # One metrics writer (rank 0) and one consolidated checkpoint with a RNG file per rank.
     assert len(logged(ddp)) == 5
     step = ddp / "checkpoints" / "step-5"

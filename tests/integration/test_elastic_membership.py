@@ -146,6 +146,7 @@ def agent_argv(data: list[str], run_dir: Path, port: int, engine: list[str]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("engine", "port"),
     [
@@ -159,7 +160,7 @@ def agent_argv(data: list[str], run_dir: Path, port: int, engine: list[str]) -> 
 def test_a_node_leaves_and_one_joins_and_the_weights_match(
     tiny_model_dir, chat_jsonl, tmp_path, engine, port
 ):
-    from conftest import max_weight_difference  # not at the top: workers import this module
+    from tolerance import assert_trained_weights_close  # not at the top: workers import this module
 
     deadline = time.time() + DEADLINE_S
     data = ["--model", str(tiny_model_dir), "--dataset", str(chat_jsonl)]
@@ -198,12 +199,13 @@ def test_a_node_leaves_and_one_joins_and_the_weights_match(
     assert reference.wait(deadline) == 0, reference.output()[-3000:]
     assert first.wait(deadline) == 0, first.output()[-4000:]
     assert third.wait(deadline) == 0, third.output()[-4000:]
-    difference = max_weight_difference(
+    # Other world sizes sum the same gradients in other orders: Adam's rounding bound.
+    assert_trained_weights_close(
         reference_dir / "final" / "adapter_model.safetensors",
         run_dir / "final" / "adapter_model.safetensors",
+        learning_rate=1e-2,
+        steps=14,
     )
-    print(f"largest weight difference to the uninterrupted run: {difference:.2e}")
-    assert difference <= 1e-5
     log = first.output() + third.output()
     # Agent A's worker lost its peer (one line, not a gloo traceback), then A saw C join.
     assert "a node left the job (RuntimeError: " in first.output(), first.output()[-4000:]
@@ -219,13 +221,15 @@ def test_a_node_leaves_and_one_joins_and_the_weights_match(
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_a_resume_on_another_number_of_processes_keeps_the_global_batch(
     tiny_model_dir, chat_jsonl, tmp_path
 ):
     """Without --nnodes MIN:MAX: a run of 2 processes x 1 row x accumulation 2 resumes on 1
     process with accumulation 4 (the same 4 rows per step) and ends where the run of 2 does;
     accumulation 2 on 1 process would halve the global batch, and is refused naming it."""
-    from conftest import max_weight_difference, stopped_at
+    from conftest import stopped_at
+    from tolerance import assert_trained_weights_close
 
     deadline = time.time() + DEADLINE_S
     data = ["--model", str(tiny_model_dir), "--dataset", str(chat_jsonl)]
@@ -247,9 +251,9 @@ def test_a_resume_on_another_number_of_processes_keeps_the_global_batch(
     assert "micro-batch 6 of epoch 0 at 2 rows per global micro-batch is micro-batch 12" in (
         one.output()
     )
-    difference = max_weight_difference(
+    assert_trained_weights_close(
         two / "final" / "adapter_model.safetensors",
         resumed_dir / "final" / "adapter_model.safetensors",
+        learning_rate=1e-2,
+        steps=8,
     )
-    print(f"resumed on 1 process: largest weight difference to the run on 2: {difference:.2e}")
-    assert difference <= 1e-5

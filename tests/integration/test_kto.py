@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_dpo import ROWS as PAIRS
 from test_dpo import _nothing, rlhf
-from tolerance import assert_close, assert_same_weights, backward_terms, forward_terms
 
 from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
 from swiftlm.data.encode import IGNORE_INDEX
+from tolerance import assert_close, assert_same_weights, backward_terms, forward_terms
 
 ROWS = [
     {

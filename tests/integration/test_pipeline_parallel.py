@@ -10,9 +10,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import logged, max_weight_difference, tiny_sft, write_jsonl
+from conftest import logged, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
 from swiftlm.distributed.pp_stage import fixed_shape_batches, stage_bounds
+from tolerance import assert_same_training, assert_same_weights
 
 FULL, ADAPTER = "model.safetensors", "adapter_model.safetensors"
 STEPS = dict(
@@ -28,20 +29,27 @@ PIPELINE = dict(nproc_per_node=2, pipeline_parallel_size=2, dist_timeout=120)
 DOCS = [{"text": f"The quick brown fox {i} jumps over the lazy dog. " * 5} for i in range(12)]
 
 
-def assert_same_training(single, parallel, weights, weight_tolerance=1e-5):
-    assert logged(parallel) == pytest.approx(logged(single), abs=1e-5)
-    assert logged(parallel, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
-    difference = max_weight_difference(single / "final" / weights, parallel / "final" / weights)
-    assert difference < weight_tolerance
+def assert_same_as_one_process(single, parallel, weights, flags: dict, ranks: int = 2):
+    """The pipeline's losses, grad norms and weights against one process's, within rounding."""
+    assert_same_training(
+        single,
+        parallel,
+        weights,
+        learning_rate=float(flags["learning_rate"]),
+        steps=flags["max_steps"],
+        tokens=flags["max_length"],
+        ranks=ranks,
+    )
 
 
+@pytest.mark.numerics
 def test_pp_matches_a_single_process_and_resumes(tiny_model_dir, chat_jsonl, tmp_path):
     single, pp, resumed = tmp_path / "single", tmp_path / "pp", tmp_path / "resumed"
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **STEPS)) == 0
     assert (
         main(tiny_sft(tiny_model_dir, chat_jsonl, pp, **STEPS, **PIPELINE, master_port=29692)) == 0
     )
-    assert_same_training(single, pp, FULL)
+    assert_same_as_one_process(single, pp, FULL, STEPS)
     step = pp / "checkpoints" / "step-3"
     assert (step / "stage-0").is_dir() and (step / "stage-1").is_dir() and (step / FULL).is_file()
 
@@ -51,9 +59,10 @@ def test_pp_matches_a_single_process_and_resumes(tiny_model_dir, chat_jsonl, tmp
     shutil.rmtree(resumed / "checkpoints" / "step-6")
     again = dict(resume_from_checkpoint="auto", master_port=29693)
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, resumed, **STEPS, **PIPELINE, **again)) == 0
-    assert max_weight_difference(pp / "final" / FULL, resumed / "final" / FULL) <= 1e-6
+    assert_same_weights(pp / "final" / FULL, resumed / "final" / FULL)  # the same arithmetic
 
 
+@pytest.mark.numerics
 def test_lora_under_pp_matches_a_single_process_and_loads_with_peft(
     tiny_model_dir, chat_jsonl, tmp_path
 ):
@@ -66,7 +75,7 @@ def test_lora_under_pp_matches_a_single_process_and_loads_with_peft(
     assert (
         main(tiny_sft(tiny_model_dir, chat_jsonl, pp, **lora, **PIPELINE, master_port=29694)) == 0
     )
-    assert_same_training(single, pp, ADAPTER)
+    assert_same_as_one_process(single, pp, ADAPTER, lora)
     # Stages save their adapter weights only; the checkpoint and final/ are peft adapters.
     stage = pp / "checkpoints" / "step-3" / "stage-1" / FULL
     from safetensors.torch import load_file
@@ -80,9 +89,16 @@ def test_lora_under_pp_matches_a_single_process_and_loads_with_peft(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), single / "final"
     )
     with torch.no_grad():
-        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5)
+        logits, expected = model(ids).logits, reference(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits
+    # The adapters agree within Adam's rounding bound (above), 1e-3 of their training moves: the
+    # logits do too, far inside 1% of how far training moved them. An adapter peft failed to
+    # load (a missing or misnamed tensor leaves lora_B at its zero start) misses by 100%.
+    moved = (expected - base).abs().max().item()
+    assert moved > 0 and (logits - expected).abs().max().item() <= 1e-2 * moved
 
 
+@pytest.mark.numerics
 def test_pt_with_two_stages_matches_a_single_process(tiny_model_dir, tmp_path):
     docs = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     flags = {**STEPS, "max_steps": 4, "save_steps": 100, "max_length": 32}
@@ -94,9 +110,10 @@ def test_pt_with_two_stages_matches_a_single_process(tiny_model_dir, tmp_path):
     ]
     assert main(pipeline) == 0
     assert len(logged(pp)) == 4
-    assert_same_training(single, pp, FULL)
+    assert_same_as_one_process(single, pp, FULL, flags)
 
 
+@pytest.mark.numerics
 def test_pp_x_ddp_on_four_ranks_matches_a_single_process_and_resumes(
     tiny_model_dir, chat_jsonl, tmp_path
 ):
@@ -107,9 +124,7 @@ def test_pp_x_ddp_on_four_ranks_matches_a_single_process_and_resumes(
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **whole)) == 0
     four = {**PIPELINE, "nproc_per_node": 4}
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, mesh, **flags, **four, master_port=29696)) == 0
-    # DDP sums the replicas' gradients in another order (~1e-7 relative); Adam divides by
-    # sqrt(v), which magnifies that for near-zero gradient entries: 5e-5 on the weights.
-    assert_same_training(single, mesh, FULL, weight_tolerance=5e-5)
+    assert_same_as_one_process(single, mesh, FULL, flags, ranks=4)
     # One copy per stage (replica 0 writes it), and a random state per rank.
     step = mesh / "checkpoints" / "step-2"
     assert sorted(p.name for p in step.glob("stage-*")) == ["stage-0", "stage-1"]
@@ -120,10 +135,11 @@ def test_pp_x_ddp_on_four_ranks_matches_a_single_process_and_resumes(
     shutil.rmtree(resumed / "checkpoints" / "step-4")
     again = dict(resume_from_checkpoint="auto", master_port=29697)
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, resumed, **flags, **four, **again)) == 0
-    assert max_weight_difference(mesh / "final" / FULL, resumed / "final" / FULL) <= 1e-6
+    assert_same_weights(mesh / "final" / FULL, resumed / "final" / FULL)
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_pp_x_fsdp2_on_four_ranks_matches_a_single_process_and_resumes(
     tiny_model_dir, chat_jsonl, tmp_path
 ):
@@ -134,7 +150,7 @@ def test_pp_x_fsdp2_on_four_ranks_matches_a_single_process_and_resumes(
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **whole)) == 0
     four = {**PIPELINE, "nproc_per_node": 4, "fsdp": "fsdp2"}
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, mesh, **flags, **four, master_port=29698)) == 0
-    assert_same_training(single, mesh, FULL, weight_tolerance=5e-5)
+    assert_same_as_one_process(single, mesh, FULL, flags, ranks=4)
     assert (mesh / "checkpoints" / "step-2" / "stage-1" / "dcp" / ".metadata").is_file()
 
     shutil.copytree(mesh, resumed)
@@ -142,7 +158,7 @@ def test_pp_x_fsdp2_on_four_ranks_matches_a_single_process_and_resumes(
     shutil.rmtree(resumed / "checkpoints" / "step-4")
     again = dict(resume_from_checkpoint="auto", master_port=29699)
     assert main(tiny_sft(tiny_model_dir, chat_jsonl, resumed, **flags, **four, **again)) == 0
-    assert max_weight_difference(mesh / "final" / FULL, resumed / "final" / FULL) <= 1e-6
+    assert_same_weights(mesh / "final" / FULL, resumed / "final" / FULL)
 
 
 def test_stage_bounds_split_blocks_evenly():

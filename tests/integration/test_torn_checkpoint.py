@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import max_weight_difference, tiny_sft
+from conftest import tiny_sft
 from swiftlm.cli.main import main
+from tolerance import assert_same_weights
 
 ADAPTER = "final/adapter_model.safetensors"
 SCHEDULE = dict(
@@ -85,7 +86,7 @@ def test_kill_during_a_run_directory_save(
     printed = resume(tiny_model_dir, chat_jsonl, run, flags, capsys)
     assert f"skipping incomplete checkpoint {torn} " in printed
     assert f"resumed from {tmp_path}/shm/checkpoints/step-2 (local tier) at step 2" in printed
-    assert max_weight_difference(uninterrupted, run / ADAPTER) <= 1e-6
+    assert_same_weights(uninterrupted, run / ADAPTER)
 
 
 @pytest.mark.slow
@@ -97,7 +98,7 @@ def test_kill_during_a_local_tier_save(uninterrupted, tiny_model_dir, chat_jsonl
     printed = resume(tiny_model_dir, chat_jsonl, run, flags, capsys)
     assert f"skipping incomplete checkpoint {torn} " in printed
     assert f"resumed from {run}/checkpoints/step-3 at step 3" in printed
-    assert max_weight_difference(uninterrupted, run / ADAPTER) <= 1e-6
+    assert_same_weights(uninterrupted, run / ADAPTER)
 
 
 @pytest.mark.slow
@@ -113,7 +114,7 @@ def test_kill_during_a_copy_to_the_mirror(
     printed = resume(tiny_model_dir, chat_jsonl, run, flags, capsys)
     assert f"skipping incomplete checkpoint file://{tmp_path}/mirror/checkpoints/step-6" in printed
     assert f"resumed from {run}/checkpoints/step-3 (mirror) at step 3" in printed
-    assert max_weight_difference(uninterrupted, run / ADAPTER) <= 1e-6
+    assert_same_weights(uninterrupted, run / ADAPTER)
 
 
 RANDOM_SCHEDULE = dict(max_steps=8, save_steps=2, per_device_train_batch_size=4, async_save="true")
@@ -148,4 +149,4 @@ def test_kill_at_a_random_time(seed, tiny_model_dir, chat_jsonl, tmp_path, capsy
             assert (folder / "trainer_state.json").is_file()
             assert (folder / "adapter_model.safetensors").is_file()
     resume(tiny_model_dir, chat_jsonl, run, RANDOM_SCHEDULE, capsys)
-    assert max_weight_difference(reference / ADAPTER, run / ADAPTER) <= 1e-6
+    assert_same_weights(reference / ADAPTER, run / ADAPTER)
