@@ -4,12 +4,20 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import CHAT_ROWS, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
+from tolerance import (
+    assert_close,
+    assert_same_weights,
+    assert_trained_weights_close,
+    backward_terms,
+    forward_terms,
+)
 
 FAST = ["--torch_dtype", "float32", "--report_to", "none", "--logging_steps", "1"]
+# CHAT_ROWS' conversations are shorter than 64 tokens.
+TERMS = forward_terms(tokens=64)
 
 
 def sft(tiny_model_dir, data, out, *extra) -> int:
@@ -125,6 +133,7 @@ CHATML_WITH_GENERATION = (
 )
 
 
+@pytest.mark.numerics
 def test_step_one_loss_equals_transformers_reference(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,9 +167,12 @@ def test_step_one_loss_equals_transformers_reference(tiny_model_dir, tmp_path):
         torch.no_grad()
     ):  # LoRA starts as an exact no-op (B = 0), so the base model is the reference
         reference = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
-    assert abs(logged["loss"] - reference) <= 1e-4, (logged["loss"], reference)
+    # Another padding and batch order of the same mean of token losses (a wrong mask or label
+    # shift moves it by tenths).
+    assert_close(logged["loss"], reference, terms=TERMS, what="step-1 loss")
 
 
+@pytest.mark.numerics
 def test_accumulation_matches_a_larger_batch(tiny_model_dir, chat_jsonl, tmp_path):
     common = ["--max_steps", 1, "--lora_dropout", 0, "--learning_rate", "1e-2"]
     assert (
@@ -183,17 +195,18 @@ def test_accumulation_matches_a_larger_batch(tiny_model_dir, chat_jsonl, tmp_pat
         == 0
     )
     m4, a4 = read_metrics(tmp_path / "b4")[0], read_metrics(tmp_path / "a4")[0]
-    assert abs(m4["loss"] - a4["loss"]) < 1e-5
-    assert abs(m4["grad_norm"] - a4["grad_norm"]) < 1e-5
-    w4 = load_file(tmp_path / "b4" / "final" / "adapter_model.safetensors")
-    wa = load_file(tmp_path / "a4" / "final" / "adapter_model.safetensors")
-    assert max((w4[k] - wa[k]).abs().max().item() for k in w4) < 1e-6
+    assert_close(a4["loss"], m4["loss"], terms=TERMS, what="loss")
+    assert_close(a4["grad_norm"], m4["grad_norm"], terms=backward_terms(64), what="grad_norm")
+    w4 = tmp_path / "b4" / "final" / "adapter_model.safetensors"
+    wa = tmp_path / "a4" / "final" / "adapter_model.safetensors"
+    assert_trained_weights_close(w4, wa, learning_rate=1e-2, steps=1)
 
 
 class Crash(Exception):
     pass
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("crash_at_micro_batch", [1, 0], ids=["mid-accumulation", "step-boundary"])
 def test_resumed_run_equals_uninterrupted(
     tiny_model_dir, chat_jsonl, tmp_path, monkeypatch, crash_at_micro_batch
@@ -242,12 +255,10 @@ def test_resumed_run_equals_uninterrupted(
         == 0
     )
 
-    straight = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
-    resumed = load_file(tmp_path / "resumed" / "final" / "adapter_model.safetensors")
-    assert max((straight[k] - resumed[k]).abs().max().item() for k in straight) <= 1e-6
-    assert train_losses(tmp_path / "straight")[-4:] == pytest.approx(
-        train_losses(tmp_path / "resumed")[-4:], abs=1e-6
-    )
+    # The same arithmetic on the same machine and shapes: bit for bit.
+    straight = tmp_path / "straight" / "final" / "adapter_model.safetensors"
+    assert_same_weights(straight, tmp_path / "resumed" / "final" / "adapter_model.safetensors")
+    assert train_losses(tmp_path / "straight")[-4:] == train_losses(tmp_path / "resumed")[-4:]
 
 
 def test_incomplete_checkpoint_is_skipped_on_resume(tiny_model_dir, chat_jsonl, tmp_path, capsys):
@@ -349,6 +360,7 @@ def test_lora_variants_save_adapters_that_peft_loads(
         assert any("lora_magnitude_vector" in n for n, _ in model.named_parameters())
 
 
+@pytest.mark.numerics
 def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, chat_jsonl, tmp_path):
     common = [
         "--max_steps",
@@ -364,9 +376,8 @@ def test_gradient_checkpointing_gives_the_same_steps(tiny_model_dir, chat_jsonl,
     assert (
         sft(tiny_model_dir, chat_jsonl, tmp_path / "ckpt", *common, "--gradient_checkpointing") == 0
     )
-    assert train_losses(tmp_path / "ckpt") == pytest.approx(
-        train_losses(tmp_path / "plain"), abs=1e-5
-    )
+    # Checkpointing recomputes the same forward in backward: the same arithmetic, bit for bit.
+    assert train_losses(tmp_path / "ckpt") == train_losses(tmp_path / "plain")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
