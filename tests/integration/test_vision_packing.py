@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from conftest import max_weight_difference, write_jsonl
+from conftest import write_jsonl
 from swiftlm.cli.main import main
+from tolerance import assert_close, assert_trained_weights_close, forward_terms
 from vlm_helpers import ARCHITECTURES, BUILDERS, colour_rows, patched_qwen2_vl_loading
 
 
@@ -22,6 +23,7 @@ def losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_padding_free_trains_like_padded(tmp_path, architecture):
     """Several samples with images (and one without) per packed row: the same losses and
@@ -34,9 +36,13 @@ def test_padding_free_trains_like_padded(tmp_path, architecture):
         assert sft(model_dir, data, packed, "--padding_free", "true") == 0
     layout = json.loads((packed / "data_health.json").read_text())["layout"]
     assert (layout["kind"], layout["padding_share"]) == ("padding-free", 0.0)
-    assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
+    # The text model's chain over a row of at most every training token, twice over for the
+    # image tower before it (2 layers, at most 64 wide: a shorter chain).
+    tokens = json.loads((packed / "data_health.json").read_text())["train"]["tokens"]
+    terms = 2 * forward_terms(tokens)
+    assert_close(losses(packed), losses(padded), terms=terms, what="losses")
     weights = "final/model.safetensors"
-    assert max_weight_difference(padded / weights, packed / weights) < 1e-5
+    assert_trained_weights_close(padded / weights, packed / weights, learning_rate=1e-3, steps=3)
 
 
 @pytest.mark.bad_input(
