@@ -13,6 +13,7 @@ import torch
 import vlm_helpers as vh
 from conftest import logged, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
+from tolerance import assert_close, forward_terms
 
 QUESTION = "What colour is this?"
 
@@ -70,9 +71,10 @@ def parity_rows(folder) -> tuple[list[dict], list[tuple]]:
     return rows, spec
 
 
-def transformers_loss(arch: str, folder, spec: list[tuple]) -> tuple[float, int]:
+def transformers_loss(arch: str, folder, spec: list[tuple]) -> tuple[float, int, int]:
     """transformers' own loss of the batch: its processor builds the inputs, the labels are
-    the assistant answer and its end-of-turn token (nothing else), the model averages."""
+    the assistant answer and its end-of-turn token (nothing else), the model averages. With
+    the label count and the padded batch's width."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
@@ -101,9 +103,10 @@ def transformers_loss(arch: str, folder, spec: list[tuple]) -> tuple[float, int]
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         loss = model(**inputs, labels=labels).loss.item()
-    return loss, int((labels[:, 1:] != -100).sum())
+    return loss, int((labels[:, 1:] != -100).sum()), ids.shape[1]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("layout", ["padded", "default"])
 @pytest.mark.parametrize("arch", vh.ARCHITECTURES)
 def test_step_one_loss_equals_transformers_loss(vlm_dirs, arch, layout, tmp_path, capsys):
@@ -124,10 +127,13 @@ def test_step_one_loss_equals_transformers_loss(vlm_dirs, arch, layout, tmp_path
         assert "padding 0.0% of computed tokens" not in printed
     [swiftlm_loss] = logged(out, "loss")
     [label_tokens] = logged(out, "label_tokens")
-    reference, reference_labels = transformers_loss(arch, folder, spec)
+    reference, reference_labels, width = transformers_loss(arch, folder, spec)
     assert label_tokens == reference_labels
-    # The initial weights (LoRA's B is zero), the same batch: float32 agreement.
-    assert abs(swiftlm_loss - reference) < 1e-4, (arch, swiftlm_loss, reference)
+    # The initial weights (LoRA's B is zero), the same samples, other rows: a row holds at most
+    # the 4 samples (padding-free), and the image tower before the text model (2 layers, at
+    # most 64 wide) has the shorter chain, so twice the text model's covers both.
+    terms = 2 * forward_terms(4 * width)
+    assert_close(swiftlm_loss, reference, terms=terms, what=f"{arch} step-1 loss")
     assert reference > 1.0  # a random model: the comparison is not of two near-zero numbers
 
 
