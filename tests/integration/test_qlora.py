@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 
-from conftest import CHAT_ROWS, logged, max_weight_difference, tiny_sft, write_jsonl
+from conftest import CHAT_ROWS, logged, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
 from swiftlm.models.quant import quantized_linear_names
 from swiftlm.train import run as train_run
+from tolerance import assert_same_weights
 
 pytest.importorskip(
     "bitsandbytes", reason="QLoRA needs the quant extra: pip install swiftlm[quant]"
@@ -78,6 +79,7 @@ def test_4bit_base_trains_adapters_and_the_loss_falls(qlora4):
     assert "quant_method: bnb" in (run / "config.yaml").read_text()
 
 
+@pytest.mark.numerics
 def test_evaluation_does_not_change_training(qlora4, tiny_model_dir, chat_data, tmp_path):
     # On CPUs with AVX512-BF16, bitsandbytes switches a 4-bit layer to an inference-only
     # kernel on its first eval-mode forward; training after an evaluation must not go
@@ -89,7 +91,8 @@ def test_evaluation_does_not_change_training(qlora4, tiny_model_dir, chat_data, 
         main(tiny_sft(tiny_model_dir, chat_data, tmp_path / "run", **flags, val_dataset=val)) == 0
     )
     assert len(logged(tmp_path / "run", "eval_loss")) == 4
-    assert logged(tmp_path / "run") == pytest.approx(logged(run), abs=1e-5)
+    # The evaluations change nothing the training steps compute: bit for bit.
+    assert logged(tmp_path / "run") == logged(run)
 
 
 def test_8bit_base_trains(tiny_model_dir, chat_data, tmp_path):
@@ -101,6 +104,7 @@ def test_8bit_base_trains(tiny_model_dir, chat_data, tmp_path):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.numerics
 def test_resumed_qlora_run_equals_uninterrupted(qlora4, tiny_model_dir, chat_data, tmp_path):
     run, _ = qlora4
     resumed = tmp_path / "resumed"
@@ -113,8 +117,9 @@ def test_resumed_qlora_run_equals_uninterrupted(qlora4, tiny_model_dir, chat_dat
     flags = dict(RUN, max_steps=20, quant_method="bnb", quant_bits=4)
     argv = tiny_sft(tiny_model_dir, chat_data, resumed, **flags, resume_from_checkpoint="auto")
     assert main(argv) == 0
-    assert logged(resumed) == pytest.approx(logged(run), abs=1e-6)
-    assert max_weight_difference(run / "final" / ADAPTER, resumed / "final" / ADAPTER) <= 1e-6
+    # The same arithmetic on the same machine and shapes: bit for bit.
+    assert logged(resumed) == logged(run)
+    assert_same_weights(run / "final" / ADAPTER, resumed / "final" / ADAPTER)
 
 
 def _logits(model, tokenizer) -> torch.Tensor:
@@ -153,13 +158,15 @@ def test_adapter_loads_onto_the_unquantized_base(qlora4, tiny_model_dir):
     adapter_effect = (served - plain).abs().max()
     rounding = (quantized - plain).abs().max()  # NF4 rounding of the base alone
     mismatch = (served - trained_on).abs()
-    # Measured on this tiny model: the adapter moves logits by up to 4.8; NF4 rounding of the
-    # base alone by up to 1.06, and served vs trained-on differ by up to 0.90 (mean 0.14): the
-    # base's rounding, carried through. A random hidden-64 model rounds far worse than a
-    # trained one, hence the loose absolute bounds.
+    # A quantization comparison, not a rounding-order one: served (unquantized base) and
+    # trained-on (NF4 base) differ by the NF4 rounding of the base, carried through the
+    # adapter's change of the hidden states, so by about what that rounding does to the base
+    # alone, in the largest and the mean difference (measured: 0.90 and 0.14 against 1.06 and
+    # 0.17; the adapter itself moves logits by up to 4.8). A random hidden-64 model rounds far
+    # worse than a trained one, hence differences of this size.
     assert adapter_effect > 3.0
-    assert mismatch.max() < 1.5 and mismatch.mean() < 0.3
     assert mismatch.max() < 1.25 * rounding
+    assert mismatch.mean() < 1.25 * (quantized - plain).abs().mean()
 
 
 def test_infer_serves_a_qlora_run_on_the_unquantized_base(qlora4, tmp_path, capsys):
