@@ -38,6 +38,16 @@ import torch
 HALF_STEP = {"bnb8": 1 / 254, "int8": 1 / 255, "int4": 1 / 15, "bnb4": 0.1519}
 DOUBLE_QUANT = {"bnb4": 0.00703}
 BITS = {"bnb8": 8, "int8": 8, "int4": 4, "bnb4": 4}
+# The `swiftlm export` flags of each format, and the weights per scale of the 4-bit ones:
+# bitsandbytes' block, int4's --group_size default (it divides the wide tiny Llama's input
+# widths, 128 and 256).
+EXPORT_FLAGS = {
+    "bnb4": ["--quant_method", "bnb", "--quant_bits", "4"],
+    "bnb8": ["--quant_method", "bnb", "--quant_bits", "8"],
+    "int8": ["--quant_method", "int8"],
+    "int4": ["--quant_method", "int4"],
+}
+BLOCKS = {"bnb4": 64, "int4": 128}
 
 
 def applied_weight(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:

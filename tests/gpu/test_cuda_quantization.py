@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import CHAT_ROWS, logged, tiny_sft, write_jsonl
-from quant_bounds import assert_weights_within_quantization_bound
+from quant_bounds import BLOCKS, assert_weights_within_quantization_bound
+from quant_bounds import EXPORT_FLAGS as FLAGS
 from swiftlm.cli.main import main
 from swiftlm.config import ExportConfig, parse_config
 from swiftlm.export import run as export_run
@@ -18,16 +19,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 pytest.importorskip("bitsandbytes", reason="needs the quant extra: pip install swiftlm[quant]")
-
-FLAGS = {
-    "bnb4": ["--quant_method", "bnb", "--quant_bits", "4"],
-    "bnb8": ["--quant_method", "bnb", "--quant_bits", "8"],
-    "int8": ["--quant_method", "int8"],
-    "int4": ["--quant_method", "int4"],
-}
-# Weights per scale of the 4-bit formats: bitsandbytes' block, int4's --group_size default
-# (it divides the wide tiny Llama's input widths, 128 and 256).
-BLOCKS = {"bnb4": 64, "int4": 128}
 
 
 def export_on_cuda(model_dir, out, *flags) -> dict:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import build_tokenizer
-from quant_bounds import assert_weights_within_quantization_bound
+from quant_bounds import BLOCKS, assert_weights_within_quantization_bound
+from quant_bounds import EXPORT_FLAGS as FLAGS
 from swiftlm.cli.main import main
 from swiftlm.config import ExportConfig, parse_config
 from swiftlm.export import run as export_run
@@ -29,14 +30,6 @@ QUANTIZED_TYPES = {
     "int8": "Int8Tensor",
     "int4": "IntxUnpackedToInt8Tensor",
 }
-FLAGS = {
-    "bnb4": ["--quant_method", "bnb", "--quant_bits", "4"],
-    "bnb8": ["--quant_method", "bnb", "--quant_bits", "8"],
-    "int8": ["--quant_method", "int8"],
-    "int4": ["--quant_method", "int4"],
-}
-# Weights per scale of the 4-bit formats: bitsandbytes' block, int4's --group_size default.
-BLOCKS = {"bnb4": 64, "int4": 128}
 
 
 def export(model_dir, out, *flags) -> dict:
