@@ -8,6 +8,7 @@ import pytest
 
 from conftest import tiny_sft, write_jsonl
 from swiftlm.cli.main import main
+from tolerance import assert_close, forward_terms
 
 TEXTS = [{"text": "Hello! How can I help you today?"}, {"text": "The quick brown fox."}]
 QA = [
@@ -45,7 +46,7 @@ def test_best_checkpoint_is_kept_and_named(tiny_model_dir, chat_jsonl, tmp_path)
     values = {r["step"]: r["eval/texts/perplexity"] for r in rows}
     best_step = min(values, key=values.get)  # lower perplexity is better by default
     best = json.loads((run / "best_checkpoint.json").read_text())
-    assert best["step"] == best_step and best["value"] == pytest.approx(values[best_step])
+    assert best["step"] == best_step and best["value"] == values[best_step]  # the same number
     assert best["greater_is_better"] is False
     kept = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert kept == sorted({f"step-{best_step}", "step-6"})
@@ -117,6 +118,7 @@ def test_generation_evaluation_needs_the_whole_model_on_rank_0():
     assert not whole_model_on_each_rank(object())  # DeepSpeed: no mesh of swiftlm's
 
 
+@pytest.mark.numerics
 def test_ddp_ranks_agree_on_the_scores_and_the_best_step(tiny_model_dir, chat_jsonl, tmp_path):
     """Rank 0 generates and sends the scores; both ranks pick the same best checkpoint, and the
     scores equal a single process's (DDP trains the same weights)."""
@@ -138,10 +140,12 @@ def test_ddp_ranks_agree_on_the_scores_and_the_best_step(tiny_model_dir, chat_js
     )
     argv = tiny_sft(tiny_model_dir, chat_jsonl, ddp, per_device_train_batch_size=1, **flags)
     assert main([*argv, "--nproc_per_node", "2", "--master_port", "29961"]) == 0
+    # A mean NLL per token behind the forward of rows shorter than 64 tokens, and the
+    # all-reduce of two ranks' sums.
+    terms = forward_terms(tokens=64) + 2
     for a, b in zip(eval_rows(single), eval_rows(ddp), strict=True):
-        assert b["eval/texts/nll_per_token"] == pytest.approx(
-            a["eval/texts/nll_per_token"], abs=1e-4
-        )
+        key = "eval/texts/nll_per_token"
+        assert_close(b[key], a[key], terms=terms, what=f"step {a['step']} {key}")
     assert (
         json.loads((ddp / "best_checkpoint.json").read_text())["step"]
         == json.loads((single / "best_checkpoint.json").read_text())["step"]
