@@ -18,9 +18,9 @@ import pytest
 
 from conftest import logged, max_weight_difference, stopped_at, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
+from tolerance import assert_close, assert_trained_weights_close, forward_terms
 from vlm_helpers import build_idefics3, build_llava, colour_rows
 
-TOLERANCE = 1e-5
 FULL, ADAPTER = "model.safetensors", "adapter_model.safetensors"
 STEPS = dict(max_steps=4, gradient_accumulation_steps=2, learning_rate="1e-3", save_steps=2)
 TRAIN_ALL = dict(freeze_vit="false", freeze_aligner="false")
@@ -80,13 +80,20 @@ def two_ranks(model, data, out, port, **flags):
 
 
 def assert_same_run(run, reference, weights):
+    """Equal up to rounding (tests/tolerance.py): the losses behind the text model's chain over
+    a row of at most every training token (data_health.json), twice over for the image tower
+    before it (2 layers, at most 64 wide: a shorter chain), and the two ranks' all-reduce; the
+    weights up to Adam's bound. Returns the largest weight difference (printed)."""
     assert len(logged(run)) == 4
-    assert logged(run) == pytest.approx(logged(reference), abs=TOLERANCE)
-    difference = max_weight_difference(run / "final" / weights, reference / "final" / weights)
-    assert difference < TOLERANCE
-    return difference
+    tokens = json.loads((reference / "data_health.json").read_text())["train"]["tokens"]
+    terms = 2 * forward_terms(tokens) + 2
+    assert_close(logged(run), logged(reference), terms=terms, what="losses")
+    a, b = run / "final" / weights, reference / "final" / weights
+    assert_trained_weights_close(a, b, learning_rate=1e-3, steps=4)  # STEPS
+    return max_weight_difference(a, b)
 
 
+@pytest.mark.numerics
 def test_ddp_matches_one_process_when_a_rank_has_no_image(llava_runs, capfd):
     model, data, flags, single, root = llava_runs
     ddp = root / "ddp"
@@ -106,6 +113,7 @@ def test_ddp_matches_one_process_when_a_rank_has_no_image(llava_runs, capfd):
     AutoModelForImageTextToText.from_pretrained(final)
 
 
+@pytest.mark.numerics
 def test_fsdp2_matches_one_process_and_its_checkpoint_resumes_on_one(llava_runs):
     model, data, flags, single, root = llava_runs
     sharded = root / "fsdp2"
@@ -113,7 +121,8 @@ def test_fsdp2_matches_one_process_and_its_checkpoint_resumes_on_one(llava_runs)
     print(f"FSDP2 max weight difference: {assert_same_run(sharded, single, FULL):.2e}")
     step = sharded / "checkpoints" / "step-2"
     assert (step / "dcp" / ".metadata").is_file() and (step / "processor_config.json").is_file()
-    assert max_weight_difference(step / FULL, single / "checkpoints" / "step-2" / FULL) < TOLERANCE
+    at_step_2 = single / "checkpoints" / "step-2" / FULL
+    assert_trained_weights_close(step / FULL, at_step_2, learning_rate=1e-3, steps=2)
 
     # Saved sharded by 2 ranks (vision parts in the root unit), resumed by one process.
     resumed = stopped_at(sharded, 2, root / "fsdp2-resumed")
@@ -122,6 +131,7 @@ def test_fsdp2_matches_one_process_and_its_checkpoint_resumes_on_one(llava_runs)
     assert_same_run(resumed, single, FULL)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy, port", [("ddp", 29973), ("fsdp2", 29974)])
 def test_idefics3_lora_with_trained_vision_parts_matches_one_process(strategy, port, tmp_path):
     """LoRA on the vision encoder and the language model, the aligner trained in full (peft
@@ -151,6 +161,7 @@ def test_idefics3_lora_with_trained_vision_parts_matches_one_process(strategy, p
     assert any(".connector." in k and "lora_" not in k for k in keys)
 
 
+@pytest.mark.numerics
 def test_default_lora_with_a_frozen_vision_tower_matches_under_fsdp2(llava_runs):
     """The default VLM LoRA: adapters in the language model only, the vision tower and the
     aligner frozen. Still, a rank runs the frozen tower only when it has images, so the tower
