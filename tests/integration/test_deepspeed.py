@@ -17,6 +17,7 @@ pytest.importorskip(
     "deepspeed", reason="DeepSpeed is an optional extra: pip install swiftlm[deepspeed]"
 )
 
+SLOW = pytest.mark.slow
 STEPS = dict(lora_dropout=0, max_steps=5, gradient_accumulation_steps=2, save_steps=5)
 # chat rows are under 64 tokens; + 2: the all-reduce of two ranks' sums
 TERMS = forward_terms(tokens=64) + 2
@@ -28,8 +29,9 @@ TERMS = forward_terms(tokens=64) + 2
     [
         ("zero2", "lora", "1e-2", "adapter_model.safetensors", 29631),
         ("zero3", "full", "1e-3", "model.safetensors", 29632),
-        ("zero3", "lora", "1e-2", "adapter_model.safetensors", 29633),
-        ("zero2_offload", "full", "1e-3", "model.safetensors", 29634),
+        # The same ZeRO stages as above with the other tuner / CPU offload: on in -m slow.
+        pytest.param("zero3", "lora", "1e-2", "adapter_model.safetensors", 29633, marks=SLOW),
+        pytest.param("zero2_offload", "full", "1e-3", "model.safetensors", 29634, marks=SLOW),
     ],
 )
 def test_zero_matches_single_process(
