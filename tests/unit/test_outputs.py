@@ -10,10 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import CHAT_ROWS, write_jsonl
+from plugin_isolation import isolated_plugins  # noqa: F401 (a fixture)
 from swiftlm.cli import main as cli
 from swiftlm.config import UNUSED_FLAGS, parse_config
 from swiftlm.config.outputs import OUTPUTS, check_outputs
 from swiftlm.errors import ConfigError
+
+# Some cases load the `--external_plugins` file in-process: its registrations end with the test.
+pytestmark = pytest.mark.usefixtures("isolated_plugins")
 
 
 @pytest.fixture
