@@ -118,6 +118,17 @@ def _private_data_cache(tmp_path_factory):
         os.environ["SWIFTLM_DATA_CACHE"] = previous
 
 
+@pytest.fixture(autouse=True)
+def _warm_multi_rank_workers(request, monkeypatch):
+    """In-process multi-rank runs fork their workers from a warm process (tests/warm_launch.py)
+    unless the test is marked torchrun_subprocess."""
+    if request.node.get_closest_marker("torchrun_subprocess"):
+        return
+    from warm_launch import in_process_agent
+
+    monkeypatch.setattr("swiftlm.distributed.launch.call_forwarding_signals", in_process_agent)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A saved tiny Llama (2 layers, hidden 64) with a ChatML BPE tokenizer."""

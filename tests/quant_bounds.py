@@ -20,7 +20,9 @@ On top, the model's dtype (bfloat16 on CUDA and on CPUs with native bf16) rounds
 times, each by its unit roundoff u = eps/2 of a value at most about the row's absmax: the source
 weight cast to it before quantizing, the scale and (tinygemm) zero point stored in it, and the
 layer's output. 5u leaves room for the values being up to a half step above the absmax:
-0.0195 in bfloat16. Double quantization (bnb4's default) also rounds each block's absmax, less
+0.0195 in bfloat16. LLM.int8 (bnb8) casts its input and output through float16 whatever the
+model's dtype, so its rounding is float16's when the model computes in float32 (CPUs without
+native bf16). Double quantization (bnb4's default) also rounds each block's absmax, less
 the mean absmax, to bitsandbytes' 8-bit dynamic map in blocks of 256: at most half that map's
 widest gap, 0.00703, of the whole tensor's absmax.
 
@@ -37,6 +39,8 @@ import torch
 
 HALF_STEP = {"bnb8": 1 / 254, "int8": 1 / 255, "int4": 1 / 15, "bnb4": 0.1519}
 DOUBLE_QUANT = {"bnb4": 0.00703}
+# A format that computes in its own dtype, whatever the model's (see the module docstring).
+COMPUTE_DTYPE = {"bnb8": torch.float16}
 BITS = {"bnb8": 8, "int8": 8, "int4": 4, "bnb4": 4}
 # The `swiftlm export` flags of each format, and the weights per scale of the 4-bit ones:
 # bitsandbytes' block, int4's --group_size default (it divides the wide tiny Llama's input
@@ -71,7 +75,8 @@ def assert_weights_within_quantization_bound(
 
     source = load_file(Path(source_folder) / "model.safetensors")
     dtype = model.get_input_embeddings().weight.dtype
-    slack = 5 * torch.finfo(dtype).eps / 2
+    eps = max(torch.finfo(dtype).eps, torch.finfo(COMPUTE_DTYPE.get(kind, dtype)).eps)
+    slack = 5 * eps / 2
     head = model.get_output_embeddings()
     checked = 0
     for name, layer in model.named_modules():

@@ -152,23 +152,22 @@ def test_a_bad_weight_names_the_row(tiny_model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "w.jsonl", [ROWS[0], {**ROWS[1], "weight": -1}])
     out = tmp_path / "run"  # not tmp_path itself: it holds the data, and a run needs its own
     argv = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(out)]
-    code = run_script(argv, check=False)
-    assert code.returncode == 1
-    assert "w.jsonl:2: `weight` must be a positive number, got -1" in code.stderr
+    assert main(argv) == 1  # the script's main, as `python test_custom_method.py` runs it
+    assert "w.jsonl:2: `weight` must be a positive number, got -1" in capsys.readouterr().err
 
 
-def run_script(argv: list[str], nproc: int = 1, port: int = 0, check: bool = True):
-    """This file as a training script, directly or under torchrun."""
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        launcher += [f"--master_port={port}"]
-    result = subprocess.run(
-        [*launcher, __file__, *argv], capture_output=True, text=True, timeout=300
-    )
-    if check:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def torchrun_this_script(argv: list[str], port: int, subprocess_launch: bool) -> None:
+    """This file as a training script on 2 gloo ranks: `torchrun` as a user types it (a
+    subprocess, fresh interpreters), or its agent in this process with warm workers."""
+    from warm_launch import torchrun_script
+
+    torchrun_args = ["--nproc_per_node=2", f"--master_port={port}", __file__, *argv]
+    if not subprocess_launch:
+        torchrun_script(torchrun_args)
+        return
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.numerics
@@ -182,10 +181,11 @@ def test_custom_method_trains_alike_in_one_process_ddp_and_fsdp2(tiny_model_dir,
         "ddp": dict(per_device_train_batch_size=2, gradient_accumulation_steps=1),
         "fsdp2": dict(per_device_train_batch_size=2, fsdp="fsdp2"),
     }
-    for name, flags in runs.items():
-        argv = tiny_sft(tiny_model_dir, data, tmp_path / name, **STEPS, **flags)[1:]
-        nproc = 1 if name == "single" else 2
-        run_script(argv, nproc=nproc, port={"ddp": 29731, "fsdp2": 29732}.get(name, 0))
+    argv = {name: tiny_sft(tiny_model_dir, data, tmp_path / name, **STEPS, **flags)[1:]
+            for name, flags in runs.items()}  # fmt: skip
+    assert main(argv["single"]) == 0  # in this process: the function the script runs
+    torchrun_this_script(argv["ddp"], port=29731, subprocess_launch=True)
+    torchrun_this_script(argv["fsdp2"], port=29732, subprocess_launch=False)
     single = logged(tmp_path / "single")
     assert len(single) == 4 and single[-1] < single[0]
     # A weighted-token count over a step's samples divided by the same count: 1 up to the

@@ -5,8 +5,6 @@ sampling and lmbda 1 samples every step, seq_kd samples the teacher, exact resum
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch
 from conftest import build_tiny_llama, build_tokenizer, logged, write_jsonl
 from swiftlm.cli.main import main
 from tolerance import assert_close, assert_same_weights, assert_trained_weights_close, forward_terms
+from warm_launch import torchrun_script
 
 ADAPTER = "final/adapter_model.safetensors"
 ROWS = [
@@ -195,11 +194,9 @@ def test_two_gloo_ranks_equal_one_process(tiny_model_dir, teacher, answers, tmp_
     assert main(gkd(tiny_model_dir, teacher, answers, tmp_path / "single", **common)) == 0
     argv = gkd(tiny_model_dir, teacher, answers, tmp_path / "ddp", **common)
     argv[argv.index("--per_device_train_batch_size") + 1] = "2"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              "--master_port", "29851", "-m", "swiftlm.cli.main", *argv]  # fmt: skip
-    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # torchrun's own agent (not swiftlm's launcher), in this process (tests/warm_launch.py)
+    torchrun = ["--nproc_per_node", "2", "--master_port", "29851", "-m", "swiftlm.cli.main"]
+    torchrun_script([*torchrun, *argv], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     a, b = tmp_path / "single" / ADAPTER, tmp_path / "ddp" / ADAPTER
     assert_trained_weights_close(a, b, learning_rate=3e-2, steps=4)
     # Sampling must not depend on the layout: the same draws and the same completions.

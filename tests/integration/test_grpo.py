@@ -6,8 +6,6 @@ import json
 import math
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import torch
 from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
 from tolerance import assert_close, assert_same_weights, assert_trained_weights_close, forward_terms
+from warm_launch import torchrun_script
 
 ROWS = [{"prompt": f"What is {i} plus {i + 1}?", "solution": str(2 * i + 1)} for i in range(16)]
 ADAPTER = "final/adapter_model.safetensors"
@@ -231,11 +230,16 @@ def test_two_gloo_ranks_equal_one_process(engine, tiny_model_dir, prompts, short
     sharding = {"fsdp": "fsdp2"} if engine == "fsdp2" else {}
     out = tmp_path / engine
     argv = grpo(tiny_model_dir, prompts, out, **common, **sharding, per_device_train_batch_size=4)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              "--master_port", str(_free_port()), "-m", "swiftlm.cli.main", *argv]  # fmt: skip
-    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # torchrun's own agent (not swiftlm's launcher), in this process (tests/warm_launch.py)
+    torchrun = [
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "swiftlm.cli.main",
+    ]
+    torchrun_script([*torchrun, *argv], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     single = tmp_path / "single" / ADAPTER
     assert_trained_weights_close(single, out / ADAPTER, learning_rate=3e-2, steps=3)
     # The same completions: their rewards (multiples of 1/8) and lengths average exactly.
