@@ -163,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         # flag needs, and no output writes over an input or an existing file.
         check_input_kinds(cfg)
         check_outputs(cfg)
+        # Before anything imports torchao or bitsandbytes (--strategy auto's planner does, in
+        # the process that launches the workers too): their import-time noise stays out.
+        quiet_libraries()
         dist_args = getattr(cfg, "dist", None)
         if dist_args is not None and wants_launch(dist_args):
             from swiftlm.plan.auto import resolve_auto_strategy  # --strategy auto: plan once
 
             argv = resolve_auto_strategy(cfg, name, argv)
             return launch(dist_args, name, argv, cfg.output.output_dir)
-        quiet_libraries()
         run = importlib.import_module(module_name).run
         if config_name == "TrainConfig":
             run(cfg, name)
