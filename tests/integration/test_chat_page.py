@@ -14,6 +14,9 @@ from cdp_helpers import Browser, chromium_path  # noqa: E402
 from serve_helpers import ServerThread  # noqa: E402
 
 KEY = "page-key"
+# The random tiny model seldom ends an answer: without a cap, the first answer fills the
+# context (256 tokens) and the second turn's prompt no longer fits (the page shows the 400).
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def server(tiny_model_dir, tiny_lora_run):
 def api_answer(url: str, messages: list) -> str:
     reply = httpx.post(
         f"{url}/v1/chat/completions",
-        json={"model": "tiny", "messages": messages, "temperature": 0},
+        json={"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS},
         headers={"Authorization": f"Bearer {KEY}"},
         timeout=60,
     )
@@ -69,6 +72,7 @@ def test_the_page_streams_the_apis_answer_and_keeps_the_conversation(server, tmp
         options = page.eval("[...document.getElementById('model').options].map(o => o.value)")
         assert options == ["tiny", "my-run"]
         page.eval("document.getElementById('temperature').value = '0'")
+        page.eval(f"document.getElementById('max-tokens').value = '{MAX_TOKENS}'")
 
         # Count the answer's text updates: a streamed answer is set chunk by chunk.
         page.eval(
