@@ -127,7 +127,7 @@ def torchrun_script(torchrun_args: list[str], env: dict | None = None) -> None:
     forked warm. Raises torch's ChildFailedError if a worker fails."""
     from torch.distributed.run import parse_args
 
-    with environment(env if env is not None else dict(os.environ)), agent_state_restored():
+    with agent_in_this_process(env):
         warm_run(parse_args(torchrun_args))
 
 
@@ -141,6 +141,14 @@ def environment(env: dict):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def agent_in_this_process(env: dict | None):
+    """The agent runs with environment `env` (default: this process's), as a subprocess
+    agent would, and what it changes in this process is undone afterwards."""
+    with environment(env if env is not None else dict(os.environ)), agent_state_restored():
+        yield
 
 
 @contextlib.contextmanager
@@ -173,7 +181,7 @@ def in_process_agent(cmd: list[str], env: dict | None = None) -> int:
     original = torch.distributed.run.run
     torch.distributed.run.run = warm_run
     try:
-        with environment(env if env is not None else dict(os.environ)), agent_state_restored():
+        with agent_in_this_process(env):
             return torchrun.main(cmd[3:])
     finally:
         torch.distributed.run.run = original

@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         # flag needs, and no output writes over an input or an existing file.
         check_input_kinds(cfg)
         check_outputs(cfg)
-        # Before anything imports torchao or bitsandbytes (--strategy auto's planner does, in
-        # the process that launches the workers too): their import-time noise stays out.
+        # Before anything imports torchao or bitsandbytes, in the process that only launches
+        # the workers too: their import-time warnings stay off the user's terminal.
         quiet_libraries()
         dist_args = getattr(cfg, "dist", None)
         if dist_args is not None and wants_launch(dist_args):
