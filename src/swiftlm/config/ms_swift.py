@@ -79,7 +79,8 @@ def _infer_backend(name: str, value: str) -> tuple[dict[str, str], str]:
         return {}, f"--infer_backend {value}: swiftlm always uses its own engine"
     raise ConfigError(
         f"--infer_backend {value} is not supported: swiftlm serves and generates with its own "
-        "continuous-batching engine (paged KV cache); drop the flag"
+        "continuous-batching engine (a KV cache preallocated per batch and written in place); "
+        "drop the flag"
     )
 
 

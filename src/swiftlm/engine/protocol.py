@@ -1,8 +1,9 @@
 """What callers and the continuous-batching engine exchange: requests in, token deltas out.
 
 One interface for every caller: `swiftlm infer` (chat and batch), the OpenAI-compatible server
-(`swiftlm deploy`), and later GRPO rollouts and generation-based evaluation. Hence `n` samples
-per prompt, a per-request seed, and the log-probability of every generated token.
+(`swiftlm deploy`), GRPO's and GKD's rollouts (`methods/rollout.py`) and generation-based
+evaluation. Hence `n` samples per prompt, a per-request seed, and the log-probability of every
+generated token.
 
 - `SamplingParams`: how one request samples; `check()` names the first bad value.
 - `GenerationRequest`: token ids of a prompt (rendered by the caller with the chat template),
