@@ -1,0 +1,28 @@
+"""docs/flags.md is generated from the config sections' help text and must be current."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def table_script():
+    spec = importlib.util.spec_from_file_location(
+        "flags_table", ROOT / "scripts" / "flags_table.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_lists_every_flag_of_every_command_and_is_current():
+    script = table_script()
+    page = script.render()
+    documented = set(re.findall(r"^\| `--(\w+)` \|", page, flags=re.MULTILINE))
+    for command, sections in script.command_sections().items():
+        for fields in sections.values():
+            for f in fields:
+                assert f.name in documented, f"--{f.name} of swiftlm {command}"
+                assert f.metadata.get("help"), f"--{f.name} has no help text"
+    assert script.main(["--check"]) == 0, "run: python scripts/flags_table.py"
