@@ -1,5 +1,5 @@
 """Every export format of one model, side by side: size on disk, export time, load time and
-perplexity on a held-out text (the README's export table).
+perplexity on a held-out text (docs/benchmarks.md, "Export formats").
 
     python benchmarks/export_formats.py                       # the packaged default model
     python benchmarks/export_formats.py --ckpt_dir RUN        # a LoRA run (merged first)

@@ -6,7 +6,7 @@ Every sum a + b with a, b in 1..12 is a prompt ("What is 7 + 5?") with its `solu
 the 144, chosen with a fixed seed, are held out (swiftlm/arithmetic-heldout) and the others
 are the training prompts (swiftlm/arithmetic). The default model (SmolLM2-135M-Instruct)
 answers about a third of them right when greedy, mostly by talking past the answer or
-stopping early: room for GRPO's `accuracy` reward to show (README, "GRPO").
+stopping early: room for GRPO's `accuracy` reward to show (docs/alignment.md, "GRPO").
 """
 
 import json

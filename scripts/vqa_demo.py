@@ -351,7 +351,7 @@ def score(predictions: Path, heldout: Path) -> dict:
 # ---------------------------------------------------------------------------------- the recipe
 
 SCRIPT = Path(__file__).resolve()
-SCRIPT_NAME = "scripts/vqa_demo.py"  # as the README runs it, from the repository root
+SCRIPT_NAME = "scripts/vqa_demo.py"  # as docs/vision.md runs it, from the repository root
 # Stage 1 (LLaVA's alignment): the language model frozen, the new encoder and projector trained
 # in full. Stage 2: LoRA on the language model with the projector trained in full, from
 # stage 1's weights (the encoder frozen: --freeze_vit defaults to true).

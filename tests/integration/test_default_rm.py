@@ -1,5 +1,5 @@
 """A reward model of the default model on the built-in preference pairs ranks held-out pairs
-by a wider margin: the README's example. Slow: 24 minutes of training on 2 busy CPU cores."""
+by a wider margin: the example of docs/alignment.md. Slow: 24 minutes of training on 2 busy CPU cores."""
 
 import json
 

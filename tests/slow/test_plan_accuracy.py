@@ -1,7 +1,7 @@
 """The must-show of `swiftlm plan`, reduced: two real 2-process `swiftlm sft` runs on the CPUs
 (SmolLM2-135M full DDP, a ~100M Llama with LoRA on ZeRO-2), each rank's peak RSS within 15% of
 the planner's estimate. benchmarks/plan_accuracy.py runs the whole table (~13 minutes: 12 of 13
-within 15%; LoRA on ZeRO-3 with checkpointing is outside it, see the README)."""
+within 15%; LoRA on ZeRO-3 with checkpointing is outside it, see docs/benchmarks.md)."""
 
 import importlib.util
 import json
