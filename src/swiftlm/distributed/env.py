@@ -42,6 +42,14 @@ class DistContext:
         dist.all_reduce(tensor)
         return float(tensor.item())
 
+    def all_reduce_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a float64 tensor over all ranks, on the collective device, without reading it
+        back to the host (the caller reads what it needs, once)."""
+        values = values.to(device=collective_device(), dtype=torch.float64, copy=True)
+        if self.distributed:
+            dist.all_reduce(values)
+        return values
+
     def broadcast_object(self, value):
         """Rank 0's value on every rank."""
         if not self.distributed:

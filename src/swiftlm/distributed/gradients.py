@@ -77,14 +77,12 @@ def global_grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
     """Scale the gradients to a global norm of at most `max_norm`; return the norm before."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = global_grad_norm(grads, pp_group)
-    # torch's own coefficient (float32), applied as a number: DTensor and plain gradients alike.
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    if coef != 1.0:
-        for grad in grads:
-            grad.mul_(coef)
-    return float(total)
+    params = [p for p in params if p.grad is not None]
+    total = global_grad_norm([p.grad for p in params], pp_group)
+    # torch's own coefficient (max_norm / (norm + 1e-6), at most 1), applied on the device:
+    # no wait for the norm before the gradients are scaled.
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)  # the step's one read of it: it decides the update and is logged
 
 
 def clip_then_step(params, optimizer, max_norm: float, scaler, pp_group=None) -> float:

@@ -89,12 +89,14 @@ def reduce_tokens(values: torch.Tensor, mask: torch.Tensor, loss_type: str) -> t
     raise ValueError(f"unknown GRPO loss_type {loss_type!r}; expected one of {GRPO_LOSS_TYPES}")
 
 
-def normalizer(mask: torch.Tensor, weight: torch.Tensor, loss_type: str, max_length: int) -> float:
+def normalizer(
+    mask: torch.Tensor, weight: torch.Tensor, loss_type: str, max_length: int
+) -> torch.Tensor:
     """The units `reduce_tokens` sums over: sequences (grpo), completion tokens (bnpo, dapo),
     sequences x max_completion_length (dr_grpo). Rows of weight 0 (padding) count for none."""
     real = weight > 0
     if loss_type == "grpo":
-        return float(real.sum())
+        return real.sum().double()
     if loss_type == "dr_grpo":
-        return float(real.sum()) * max_length
-    return float(mask[real].sum())
+        return real.sum().double() * max_length
+    return mask[real].sum().double()

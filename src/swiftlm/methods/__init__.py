@@ -1,8 +1,10 @@
 """Training methods, one module each. A new method is a module here and one line below.
 
 `METHODS` maps a method name (the subcommand, or `swiftlm rlhf --rlhf_type`) to its class; the
-class is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method` (an
-online method, which samples its own training data each step, also `methods.online`).
+class is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`. The
+optional capabilities (a reference model's values computed once, sampling its own training
+data each step, state kept across steps, evaluation other than the loss) are the overridable
+members of `methods.base.MethodDefaults`.
 """
 
 from swiftlm.methods.dpo import DPO

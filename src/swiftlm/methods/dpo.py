@@ -47,7 +47,7 @@ from swiftlm.losses.preference import (
     dpo_rewards,
     weighted_dpo_losses,
 )
-from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
+from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
 from swiftlm.methods.reference import Reference, unwrapped
 from swiftlm.methods.token import token_pads
 from swiftlm.methods.vision import VisionInputs
@@ -57,7 +57,7 @@ __all__ = ["DPO", "answer_logps", "pair_metrics", "unwrapped", "weighted_sums"]
 SIDES = ("chosen", "rejected")
 
 
-class DPO:
+class DPO(MethodDefaults):
     name = "dpo"
     columns = (
         "chosen_input_ids",
@@ -186,9 +186,9 @@ class DPO:
         return batch
 
     @staticmethod
-    def normalizer(batch: Batch) -> float:
+    def normalizer(batch: Batch) -> torch.Tensor:
         """Pairs (padding pairs of an idle data-parallel rank weigh 0)."""
-        return float(batch["weight"].sum())
+        return batch["weight"].sum()
 
     # -- model and loss --------------------------------------------------------------------------
 

@@ -32,11 +32,10 @@ from swiftlm.engine.protocol import GenerationRequest
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels
 from swiftlm.losses.distill import generalized_jsd_loss
-from swiftlm.methods.base import Batch, EncodeResult, LossOutput
+from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
 from swiftlm.methods.online import (
     SHARDED,
     PromptBatches,
-    StepContext,
     check_online_layout,
     prompt_ids,
 )
@@ -140,11 +139,11 @@ class GKD(PromptBatches):
             "needs_answers": self.needs_answers,  # to_sample refuses rows without one
         }
 
-    def normalizer(self, batch: Batch) -> float:
+    def normalizer(self, batch: Batch) -> float | torch.Tensor:
         """Completion tokens of the real rows (evaluation: of the reference answers)."""
         if "prompts" in batch:
             return float(sum(len(p["response_ids"]) for p in batch["prompts"] if p["weight"] > 0))
-        return float(self.completion_mask(batch).sum())
+        return self.completion_mask(batch).sum()
 
     # -- model and steps -----------------------------------------------------------------------
 
@@ -232,13 +231,15 @@ class GKD(PromptBatches):
 
     # -- loss ----------------------------------------------------------------------------------
 
+    def evaluate(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
+        """The loss on a prompt micro-batch's reference answers."""
+        prompts = batch["prompts"]
+        answers = self._micro_batch(prompts, [list(p["response_ids"]) for p in prompts])
+        device = next(unwrapped(model).parameters()).device
+        return self.loss(model, {k: v.to(device) for k, v in answers.items()})
+
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
         """(sum over completion tokens of the generalized JSD(teacher, student), {})."""
-        if "prompts" in batch:  # evaluation: the reference answers
-            prompts = batch["prompts"]
-            batch = self._micro_batch(prompts, [list(p["response_ids"]) for p in prompts])
-            device = next(unwrapped(model).parameters()).device
-            batch = {k: v.to(device) for k, v in batch.items()}
         mask = self.completion_mask(batch)
         student = _logits(model, batch)
         with torch.no_grad():

@@ -32,12 +32,11 @@ from swiftlm.data.prompts import prompt_sample
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
-from swiftlm.methods.base import Batch, EncodeResult, LossOutput
+from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
 from swiftlm.methods.grpo_steps import GenerationBuffer, Rollouts
 from swiftlm.methods.online import (
     SHARDED,
     PromptBatches,
-    StepContext,
     check_online_layout,
     prompt_ids,
     sharded_by_fsdp2,
@@ -110,7 +109,7 @@ class GRPO(PromptBatches):
             "system": d.system,
         }
 
-    def normalizer(self, batch: Batch) -> float:
+    def normalizer(self, batch: Batch) -> float | torch.Tensor:
         if "prompts" in batch:  # evaluation: prompts
             return float(sum(p["weight"] for p in batch["prompts"]))
         mask = self.completion_mask(batch)
@@ -169,9 +168,11 @@ class GRPO(PromptBatches):
 
     # -- loss ----------------------------------------------------------------------------------
 
+    def evaluate(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
+        """A prompt micro-batch's greedy completions, scored: -reward sum, reward sums."""
+        return self.rollouts.evaluate(model, batch["prompts"])
+
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
-        if "prompts" in batch:
-            return self.rollouts.evaluate(model, batch["prompts"])
         g, r = self.args, self.rlhf
         logps = self.token_logps(model, batch)
         mask = self.completion_mask(batch).to(logps.device)

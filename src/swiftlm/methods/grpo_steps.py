@@ -181,7 +181,7 @@ class Rollouts:
                 batch["old_logps"] = logps
                 mask = self.method.completion_mask(batch)
                 gap += float(reduce_tokens((logps - batch["engine_logps"]).abs(), mask, loss_type))
-                units += self.method.normalizer(batch)
+                units += float(self.method.normalizer(batch))
         ctx = context.strategy.ctx
         units = ctx.all_reduce_sum(units)
         self.metrics["logprob_mismatch"] = ctx.all_reduce_sum(gap) / max(units, 1.0)

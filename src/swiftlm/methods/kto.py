@@ -43,7 +43,7 @@ from swiftlm.data.encode import IGNORE_INDEX, TruncationReport, encode_chat, tru
 from swiftlm.data.unpaired import unpaired_samples
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.preference import kto_losses
-from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput
+from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
 from swiftlm.methods.dpo import answer_logps
 from swiftlm.methods.reference import Reference
 from swiftlm.methods.token import token_pads
@@ -51,7 +51,7 @@ from swiftlm.methods.token import token_pads
 MAIN, KL = "", "kl_"  # the prefixes of the matched and the mismatched rows' tensors
 
 
-class KTO:
+class KTO(MethodDefaults):
     name = "kto"
     columns = ("prompt_ids", "completion_ids", "completion_labels", "desirable", "weight")
     supports_packing = False
@@ -134,9 +134,9 @@ class KTO:
         return batch
 
     @staticmethod
-    def normalizer(batch: Batch) -> float:
+    def normalizer(batch: Batch) -> torch.Tensor:
         """Samples (padding samples of an idle data-parallel rank weigh 0)."""
-        return float(batch["weight"].sum())
+        return batch["weight"].sum()
 
     # -- model and loss --------------------------------------------------------------------------
 

@@ -1,52 +1,23 @@
 """What an online method (GRPO, GKD) adds to `methods.base.Method`: it makes its own
 micro-batches each step, by sampling from the policy, instead of reading them from the data.
 
-The loop calls `step_batches(model, StepContext)` instead of collating the data position's
-micro-batches; the method draws prompt micro-batches with `context.draw()` (each call: one
-optimizer step's worth, the data position advances) as it needs them, and may keep
-completions for later steps: `state_dict()` goes into every checkpoint (per rank) and
-`load_state_dict()` restores it on resume, so a resumed run trains on what the straight run
-would have. `step_metrics()` adds the generation's figures (rewards, lengths ...) to the log.
+It overrides capabilities of `methods.base.MethodDefaults`: `step_batches(model,
+StepContext)` draws prompt micro-batches with `context.draw()` (each call: one optimizer
+step's worth, the data position advances) as it needs them instead of returning the data
+position's, and may keep completions for later steps: `state_dict()` goes into every
+checkpoint (per rank, `has_step_state`) and `load_state_dict()` restores it on resume, so a
+resumed run trains on what the straight run would have. `step_metrics()` adds the
+generation's figures (rewards, lengths ...) to the log; `evaluate()` scores sampled answers.
 """
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
-from swiftlm.methods.base import Batch, Layout
+from swiftlm.methods.base import Batch, Layout, MethodDefaults
 
 # Why the engine cannot sample from a sharded model: it runs the whole local module.
 SHARDED = "the rollout engine needs the whole model on each rank; use data parallel (ddp)"
-
-
-@dataclass
-class StepContext:
-    draw: Callable[[], list[Batch]]  # the next optimizer step's prompt micro-batches
-    steps_left: int  # optimizer steps still to run, this one included
-    step: int  # the optimizer step about to run (1-based)
-    strategy: Any  # distributed.strategy.Strategy: ranks, all-reduce
-    autocast: Callable[[], Any]  # the training forward's precision context
-    # Times a part of the step for the log's breakdown: "generation", "reward", "forward".
-    phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext()
-
-
-class OnlineMethod(Protocol):
-    def step_batches(self, model, context: StepContext) -> list[Batch]: ...
-
-    def step_metrics(self) -> dict[str, float]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def is_online(method) -> bool:
-    return callable(getattr(method, "step_batches", None))
 
 
 def check_online_layout(cfg, method: str, lockstep: bool = False) -> None:
@@ -83,11 +54,12 @@ def sharded_by_fsdp2(cfg) -> bool:
     return bool(cfg.dist.fsdp) or cfg.dist.strategy == "fsdp2"
 
 
-class PromptBatches:
+class PromptBatches(MethodDefaults):
     """What online methods share about their encoded samples: a prompt (`prompt_ids`) that
     will get up to --max_completion_length sampled tokens, and a `weight` (0: padding)."""
 
     args: Any  # the method's GRPOArguments (max_completion_length)
+    has_step_state = True  # completions sampled for later steps
 
     def length(self, sample: dict) -> int:
         return len(sample["prompt_ids"]) + self.args.max_completion_length

@@ -13,12 +13,12 @@ from swiftlm.errors import ConfigError
 from swiftlm.losses.causal_lm import (
     TOKEN_LOSSES,
     causal_lm_loss,
-    count_label_tokens,
     registered_loss_sum,
+    shifted_labels,
     token_cross_entropy_sum,
 )
 from swiftlm.losses.fused_ce import fused_causal_lm_loss, install_fused_lm_head
-from swiftlm.methods.base import Batch, Layout, LossOutput
+from swiftlm.methods.base import Batch, Layout, LossOutput, MethodDefaults
 
 
 def token_pads(pad_token_id: int) -> dict[str, int | float]:
@@ -35,7 +35,7 @@ def without_labels(sample: dict) -> dict:
     return {**sample, "labels": [IGNORE_INDEX] * len(sample["labels"])}
 
 
-class NextTokenObjective:
+class NextTokenObjective(MethodDefaults):
     """Sum of next-token cross-entropy over label tokens, normalized by the label tokens of
     the step; fused with the LM head when `--fused_cross_entropy` and the model allow it."""
 
@@ -65,9 +65,9 @@ class NextTokenObjective:
         return collate([row[0] for row in layout.rows], self.tokenizer.pad_token_id)
 
     @staticmethod
-    def normalizer(batch: Batch) -> float:
+    def normalizer(batch: Batch) -> torch.Tensor:
         """Tokens that carry loss after the shift."""
-        return float(count_label_tokens(batch["labels"]))
+        return (shifted_labels(batch["labels"]) != IGNORE_INDEX).sum()
 
     def prepare_model(self, model, log) -> None:
         """Install the fused head on the model (before any wrapper) when asked and possible."""

@@ -102,13 +102,12 @@ def register_method(
     the default of `--beta` (None: the flag is refused). From Python, any registered method
     runs with `swiftlm.train.run.run(cfg, NAME)`."""
     from swiftlm.methods import METHODS
+    from swiftlm.methods.base import missing_members
 
     me = _claim("training method", name, METHODS, replace)
     if not inspect.isclass(method_class):
         raise PluginError(f"{me}: training method {name!r} must be a class, got {method_class!r}")
-    missing = [
-        m for m in ("to_sample", "encode", "collate", "loss") if not hasattr(method_class, m)
-    ]
+    missing = missing_members(method_class)
     if missing:
         raise PluginError(
             f"{me}: training method {name!r} ({method_class.__name__}) lacks {', '.join(missing)} "

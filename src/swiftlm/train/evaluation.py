@@ -93,7 +93,7 @@ def build_generation_evaluator(cfg, tokenizer, strategy, method) -> GenerationEv
     settings: TrainEvalArguments = cfg.evaluation
     if not settings.eval_dataset:
         return None
-    if getattr(method, "model_kind", CAUSAL_LM) != CAUSAL_LM:
+    if method.model_kind != CAUSAL_LM:
         raise ConfigError(
             f"--eval_dataset: {method.name} trains a score head, which generates no text; its "
             "validation is eval_loss and eval_rewards/accuracies on --val_dataset"

@@ -20,13 +20,12 @@ import torch
 
 from swiftlm.config.sections import OutputArguments, TrainArguments
 from swiftlm.config.sections_monitor import MonitorArguments
-from swiftlm.data.collate import count_input_tokens
+from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.data.prefetch import Prepared, prefetch_steps
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.strategy import Strategy
-from swiftlm.losses.causal_lm import count_label_tokens
-from swiftlm.methods.base import Layout, Method
-from swiftlm.methods.online import StepContext, is_online
+from swiftlm.losses.causal_lm import shifted_labels
+from swiftlm.methods.base import Layout, Method, StepContext
 from swiftlm.monitor.metrics import MetricsLogger, Progress, peak_memory_gib
 from swiftlm.train import batching
 from swiftlm.train import state as loop_state
@@ -114,15 +113,42 @@ def rank_batches(job: TrainingJob, step_batches: list[GlobalBatch]) -> list[dict
     return batches
 
 
-def _data_sum(job: TrainingJob, value: float) -> float:
-    """Sum a per-rank figure over the data: ranks that share a batch (tensor or pipeline
-    parallel) hold the same value, so the world sum counts it once per replica."""
+def _data_sum(job: TrainingJob, values: torch.Tensor) -> torch.Tensor:
+    """Sum per-rank figures (float64) over the data: ranks that share a batch (tensor or
+    pipeline parallel) hold the same values, so the world sum counts them once per replica.
+    One collective, and the result stays where the collective left it (no host read)."""
     strategy = job.strategy
     if not strategy.ctx.distributed:
-        return value
+        return values
     replicas = strategy.ctx.world_size // strategy.dp_size
     with job.observer.phase("collective"):
-        return strategy.ctx.all_reduce_sum(value) / replicas
+        return strategy.ctx.all_reduce_tensor(values) / replicas
+
+
+def _step_counts(job: TrainingJob, batches: list[dict]) -> torch.Tensor:
+    """[normalizer, label tokens, input tokens] of the step's micro-batches over the data.
+    Read from the host copies of the batches, before any forward: nothing waits on the
+    device, and the normalizer is known before the first backward."""
+    counts = [
+        torch.stack([
+            torch.as_tensor(job.method.normalizer(b), dtype=torch.float64),
+            _label_tokens(b),
+            _input_tokens(b),
+        ])
+        for b in batches
+    ]  # fmt: skip
+    return _data_sum(job, torch.stack(counts).sum(dim=0))
+
+
+def _label_tokens(batch: dict) -> torch.Tensor:
+    if "labels" not in batch:
+        return torch.zeros((), dtype=torch.float64)
+    return (shifted_labels(batch["labels"]) != IGNORE_INDEX).sum().double()
+
+
+def _input_tokens(batch: dict) -> torch.Tensor:
+    """Real (non-padding) tokens of a batch in either layout."""
+    return batch.get("attention_mask", batch.get("token_mask")).sum().double()
 
 
 def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]) -> StepResult:
@@ -130,39 +156,58 @@ def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]
 
     Data-parallel wrappers average gradients over ranks, so each loss is also multiplied by
     their number: the result is the gradient of the global mean loss.
+
+    Loss and metric sums accumulate as tensors on the device; the step reads them back to
+    the host once, after its last backward (`_read_step`): no micro-batch waits for the
+    device, and the step has two collectives (counts before, sums after), not one per figure.
     """
     strategy, method, observer = job.strategy, job.method, job.observer
-    normalizer = _data_sum(job, sum(method.normalizer(b) for b in batches))
-    divisor = normalizer if normalizer > 0 else 1.0
+    counts = _step_counts(job, batches)
+    divisor = torch.where(counts[0] > 0, counts[0], 1.0)
     scale = strategy.dp_size / divisor
-    metric_sums: dict[str, float] = {}
     if strategy.pipeline_parallel:  # the schedule owns forward and backward
         with observer.phase("forward"):
-            local_loss = strategy.pipeline_step(method, batches, scale, precision.autocast)
-    else:
-        local_loss = 0.0
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            with strategy.no_sync(job.model, sync=last):
-                with observer.phase("forward"), precision.autocast():
-                    loss_sum, metrics = method.loss(job.model, _to_device(batch, job.device))
-                with observer.backward(last_micro_batch=last):
-                    strategy.backward(precision.scale(loss_sum * scale), last_micro_batch=last)
-            local_loss += float(loss_sum.detach())
-            for name, value in metrics.items():
-                metric_sums[name] = metric_sums.get(name, 0.0) + float(value.detach())
+            # Pipeline schedules run stage by stage on the host: a Python scale costs nothing.
+            pipeline_loss = strategy.pipeline_step(
+                method, batches, float(scale), precision.autocast
+            )
+        return _read_step(job, counts, torch.tensor([pipeline_loss], dtype=torch.float64), [])
+    local_loss = torch.zeros((), dtype=torch.float64)
+    metric_sums: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with strategy.no_sync(job.model, sync=last):
+            with observer.phase("forward"), precision.autocast():
+                loss_sum, metrics = method.loss(job.model, _to_device(batch, job.device))
+            step_scale = scale.to(device=loss_sum.device, dtype=loss_sum.dtype)
+            with observer.backward(last_micro_batch=last):
+                strategy.backward(precision.scale(loss_sum * step_scale), last_micro_batch=last)
+        local_loss = local_loss.to(loss_sum.device) + loss_sum.detach().double()
+        for name, value in metrics.items():
+            metric_sums[name] = metric_sums.get(name, 0.0) + value.detach().double()
+    names = sorted(metric_sums)
+    sums = torch.stack([local_loss, *(metric_sums[name].to(local_loss.device) for name in names)])
+    return _read_step(job, counts, sums, names)
+
+
+def _read_step(job: TrainingJob, counts, sums: torch.Tensor, names: list[str]) -> StepResult:
+    """The step's figures: this rank's sums [loss, metrics...] summed over the data in one
+    collective, then read to the host in one transfer. That read is the step's one wait on
+    the device: the loss decides what the step does next (a non-finite loss is not stepped)
+    and is printed."""
+    summed = _data_sum(job, sums.to(counts.device))
+    values = torch.cat([counts, summed, sums[:1].to(counts.device)]).tolist()
+    normalizer, label_tokens, input_tokens = values[:3]
+    divisor = normalizer if normalizer > 0 else 1.0
+    loss, *metrics = values[3 : 4 + len(names)]
     return StepResult(
-        loss=_data_sum(job, local_loss) / divisor,
+        loss=loss / divisor,
         normalizer=normalizer,
-        label_tokens=int(_data_sum(job, sum(_label_tokens(b) for b in batches))),
-        input_tokens=int(_data_sum(job, sum(count_input_tokens(b) for b in batches))),
-        metrics={k: _data_sum(job, v) / divisor for k, v in sorted(metric_sums.items())},
-        local_loss=local_loss,
+        label_tokens=int(label_tokens),
+        input_tokens=int(input_tokens),
+        metrics={name: value / divisor for name, value in zip(names, metrics, strict=True)},
+        local_loss=values[-1],
     )
-
-
-def _label_tokens(batch: dict) -> int:
-    return count_label_tokens(batch["labels"]) if "labels" in batch else 0
 
 
 def clip_and_step(
@@ -235,33 +280,36 @@ def describe_evaluation(step: int, evaluated: dict[str, float]) -> str:
 
 def evaluate(job: TrainingJob, precision: Precision) -> dict[str, float]:
     """The method's mean loss (`eval_loss`) and metrics (`eval_<name>`) over the validation
-    data, each a sum over all ranks divided by the summed normalizer, as in training."""
+    data, each a sum over all ranks divided by the summed normalizer, as in training. The
+    sums stay on the device until the end: one collective, one host read."""
     was_training = job.model.training
     job.model.eval()
     method, strategy = job.method, job.strategy
-    # A method that generates (GRPO) evaluates many prompts per engine call: the engine
-    # batches them, one at a time would decode them one after another.
-    size = getattr(method, "eval_batch_size", None) or job.args.per_device_eval_batch_size
+    size = method.eval_batch_size or job.args.per_device_eval_batch_size
     # Each data-parallel rank evaluates every dp_size-th sample; the sums are combined.
     mine = job.val_data[strategy.dp_rank :: strategy.dp_size]
     # Sharded models (FSDP2) gather weights inside forward, so every rank runs as many batches
     # as rank 0; a rank out of samples runs a fully masked one that adds nothing.
     most = len(job.val_data[:: strategy.dp_size])
     masked = method.masked(job.val_data[0])
-    sums: dict[str, float] = {"loss": 0.0}
-    normalizer = 0.0
+    sums: dict[str, torch.Tensor] = {}
+    normalizer = torch.zeros((), dtype=torch.float64)
     for i in range(0, most, size):
         rows = [[sample] for sample in mine[i : i + size]] or [[masked]]
         batch = method.collate(Layout(rows=rows, packed=False))
         with precision.autocast():
-            batch_loss, metrics = method.loss(job.model, _to_device(batch, job.device))
+            batch_loss, metrics = method.evaluate(job.model, _to_device(batch, job.device))
         for name, value in {"loss": batch_loss, **metrics}.items():
-            sums[name] = sums.get(name, 0.0) + float(value)
-        normalizer += method.normalizer(batch)
+            sums[name] = sums.get(name, 0.0) + torch.as_tensor(value).detach().double()
+        normalizer += torch.as_tensor(method.normalizer(batch), dtype=torch.float64)
     job.model.train(was_training)
-    total = _data_sum(job, normalizer)
+    names = list(sums)
+    device = sums["loss"].device
+    figures = torch.stack([normalizer.to(device), *(sums[name].to(device) for name in names)])
+    summed = _data_sum(job, figures)
+    total, *values = summed.tolist()  # printed and logged
     divisor = total if total > 0 else 1.0
-    return {f"eval_{name}": _data_sum(job, value) / divisor for name, value in sums.items()}
+    return {f"eval_{name}": value / divisor for name, value in zip(names, values, strict=True)}
 
 
 def plan_steps(job: TrainingJob) -> tuple[int, int]:
@@ -277,17 +325,15 @@ def plan_steps(job: TrainingJob) -> tuple[int, int]:
 def step_batches(job: TrainingJob, steps, state, num_steps: int, precision) -> tuple:
     """(this rank's micro-batches of the next optimizer step, the data position after it).
 
-    An online method (GRPO) makes its own from the prompts it draws, as many steps' worth
-    as it needs; the others are the next data position's micro-batches."""
-    if not is_online(job.method):
-        indices, next_position = next(steps)
-        if isinstance(indices, Prepared):  # collated ahead by the prefetch thread
-            return indices, next_position
-        return rank_batches(job, indices), next_position
+    The method makes them (`Method.step_batches`): by default the next data position's
+    micro-batches; an online method (GRPO) samples its own from the prompts it draws, as
+    many steps' worth as it needs."""
     position = [state.position]
 
     def draw() -> list[dict]:
         indices, position[0] = next(steps)
+        if isinstance(indices, Prepared):  # collated ahead by the prefetch thread
+            return indices
         return rank_batches(job, indices)
 
     context = StepContext(
@@ -332,8 +378,7 @@ def run_training(job: TrainingJob) -> dict:
             # backward and the collectives inside are timed as themselves.
             with observer.phase("forward"):
                 result = forward_backward(job, precision, batches)
-                if is_online(job.method):
-                    result.metrics.update(job.method.step_metrics())
+                result.metrics.update(job.method.step_metrics())
             with observer.phase("optimizer"):
                 grad_norm = clip_and_step(
                     job, optimizer, scheduler, precision, result, state, batches
@@ -367,8 +412,7 @@ def run_training(job: TrainingJob) -> dict:
         observer.close()
         progress.close()
         metrics.close()
-        if is_online(job.method):  # the rollout engine's thread, reward workers
-            job.method.close()
+        job.method.close()  # a rollout engine's thread, reward workers
         if job.evaluator:
             job.evaluator.close()
     return callbacks.train_end(state, summarize(job, state))
@@ -376,9 +420,10 @@ def run_training(job: TrainingJob) -> dict:
 
 def step_source(job: TrainingJob, state, num_steps: int):
     """The data position's steps; collated ahead by a prefetch thread when the data asks
-    for it (token shards), never past the last step."""
+    for it (token shards), never past the last step (a method draws one data step per
+    optimizer step, at most: an online one draws ahead, then trains without drawing)."""
     steps = iterate_steps(job.batch_plan, job.args.gradient_accumulation_steps, state.position)
-    if not getattr(job.train_data, "prefetch", False) or is_online(job.method):
+    if not getattr(job.train_data, "prefetch", False):
         return steps
     ahead = itertools.islice(steps, num_steps - state.step)
     return prefetch_steps(ahead, lambda indices: rank_batches(job, indices))

@@ -50,7 +50,7 @@ def build_method(cfg: TrainConfig, method_cls, model_path: str) -> tuple[Method,
     if not vision_type:
         tokenizer = load_tokenizer(model_path)
         return method_cls(cfg, tokenizer), tokenizer, tokenizer
-    if not getattr(method_cls, "supports_images", False):
+    if not method_cls.supports_images:
         raise ConfigError(
             f"{method_cls.name} does not train vision-language models ({vision_type}); "
             "use swiftlm sft or swiftlm rlhf --rlhf_type dpo, or a text-only --model"
@@ -110,11 +110,10 @@ def prepare_data(cfg: TrainConfig, method: Method, tokenizer, ctx, log) -> tuple
     encodes chunk by chunk (`chunk_encoder`, text SFT) streams its rows into the cache entry
     (data.stream_encode), so no split is ever whole in memory.
     """
-    if hasattr(method, "sharded_data"):  # pt: memory-mapped token shards (data.token_shards)
-        sharded = method.sharded_data(cfg, ctx, log)
-        if sharded is not None:
-            return sharded
-    encoder = getattr(method, "chunk_encoder", lambda: None)()
+    sharded = method.sharded_data(cfg, ctx, log)  # pt: memory-mapped token shards
+    if sharded is not None:
+        return sharded
+    encoder = method.chunk_encoder()
     if encoder is not None:
         return _prepare_streamed(cfg, method, encoder, tokenizer, ctx, log)
 

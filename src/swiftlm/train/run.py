@@ -18,7 +18,8 @@ from swiftlm.distributed.parallelize import apply_activation_checkpointing
 from swiftlm.distributed.strategy import build_strategy
 from swiftlm.errors import SwiftLMError
 from swiftlm.methods import METHODS
-from swiftlm.models.loader import CAUSAL_LM, pick_device, pick_dtype, resolve_model
+from swiftlm.methods.base import complete_method
+from swiftlm.models.loader import pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
 from swiftlm.monitor.dashboard import Dashboard
 from swiftlm.monitor.loggers import check_loggers_installed
@@ -54,6 +55,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     """Train with `method_cls` (built as `method_cls(cfg, tokenizer)`); return the summary."""
     from transformers import set_seed
 
+    method_cls = complete_method(method_cls)  # checked; the capabilities it lacks: defaults
     check(cfg, run_facts(method_cls))  # every rule between flags, before anything loads
     check_loggers_installed(cfg.output.report_to)
     ctx = init_distributed(cfg.dist.dist_timeout)
@@ -79,8 +81,9 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     train_data, val_data, truncation = prepare_data(cfg, method, tokenizer, ctx, log)
     evaluator = build_generation_evaluator(cfg, tokenizer, strategy, method)
     set_seed(cfg.train.seed)  # the same initial weights on every rank
-    kind = getattr(method, "model_kind", CAUSAL_LM)  # a reward model: sequence classification
-    model = prepare_model(cfg, resolved.path, device, compute_dtype, kind, tokenizer.pad_token_id)
+    model = prepare_model(
+        cfg, resolved.path, device, compute_dtype, method.model_kind, tokenizer.pad_token_id
+    )
     trainable, total = count_parameters(model)
     log(
         f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
@@ -89,8 +92,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     if cfg.quant.quant_method:
         log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
     method.prepare_model(model, log)
-    if hasattr(method, "prepare_samples"):  # values computed once with the model (DPO's ref)
-        train_data, val_data = method.prepare_samples(model, train_data, val_data, log)
+    train_data, val_data = method.prepare_samples(model, train_data, val_data, log)
     if cfg.train.per_device_train_batch_size == AUTO_BATCH_SIZE:  # needs the model
         if cfg.train.gradient_checkpointing:  # measure as it will train (wrap applies it too)
             apply_activation_checkpointing(model)
@@ -102,8 +104,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     )
     if ctx.is_main:
         save_config(cfg, run_dir / "config.yaml")
-    per_sample = getattr(method, "completions_per_sample", 1)  # GRPO: a prompt's group
-    batch_plan = make_batch_plan(cfg, lengths, strategy.dp_size, per_sample)
+    batch_plan = make_batch_plan(cfg, lengths, strategy.dp_size, method.completions_per_sample)
     log(describe_plan(batch_plan, cfg.data.max_length))
     report_data_health(
         cfg, method, (train_data, val_data, truncation), batch_plan, run_dir, ctx, log

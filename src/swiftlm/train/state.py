@@ -10,7 +10,6 @@ from swiftlm import checkpoint as ckpt
 from swiftlm.checkpoint.mirror import is_url, pause_for_tests
 from swiftlm.checkpoint.tiers import LOCAL_TIER, MIRROR_TIER, RUN_TIER, Tiers, fetch_url, tier_due
 from swiftlm.data.streaming import StreamPosition
-from swiftlm.methods.online import is_online
 from swiftlm.train.batching import DataPosition
 from swiftlm.train.elastic import batch_record, resumed_position
 
@@ -77,7 +76,7 @@ def resume(job, optimizer, scheduler, scaler) -> LoopState:
             tiers.start_fresh(0)
         return LoopState()
     saved = ckpt.load_checkpoint(folder, job.strategy, job.model, optimizer, job.log)
-    if is_online(job.method):  # e.g. GRPO's completions not yet trained on
+    if job.method.has_step_state:  # e.g. GRPO's completions not yet trained on
         job.method.load_state_dict(ckpt.load_method_state(folder, ctx.rank))
     if saved["num_train_samples"] != len(job.train_data):
         # A stream's samples are the chunks it trains on: --max_steps x the global batch.
@@ -219,7 +218,7 @@ def save(job, optimizer, scheduler, scaler, state: LoopState, last=False, tier=R
         order = {"shuffle_buffer_size": job.train_data.shuffle_buffer_size}
         order["shuffle_seed"] = job.train_data.seed if order["shuffle_buffer_size"] else None
         payload["stream"] = {**stream, **order}
-    method_state = job.method.state_dict() if is_online(job.method) else None
+    method_state = job.method.state_dict() if job.method.has_step_state else None
     strategy = PausedSave.around(job.strategy, state.step)
     ckpt.save_checkpoint(
         folder, strategy, job.model, optimizer, payload, job.tokenizer, method_state
