@@ -1,4 +1,5 @@
-"""Helpers of the serving tests: uvicorn in a thread, and a deliberately slow engine."""
+"""Helpers of the serving tests: uvicorn in a thread, an app's routes, and a deliberately slow
+engine."""
 
 import socket
 import threading
@@ -12,6 +13,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def app_routes(app) -> list[tuple[str, str]]:
+    """(path, method) of every route `app` serves, the routes of its routers included: FastAPI
+    0.137+ keeps an included router as one node of `app.routes`, which iter_route_contexts
+    (0.137.2+) opens; before, `app.routes` held the routes themselves."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:
+        routes = app.routes
+    else:
+        routes = iter_route_contexts(app.routes)
+    return [(r.path, sorted(r.methods)[0]) for r in routes if getattr(r, "methods", None)]
 
 
 class ServerThread:

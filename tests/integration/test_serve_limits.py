@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from serve_helpers import ServerThread, SlowEngine  # noqa: E402
+from serve_helpers import ServerThread, SlowEngine, app_routes  # noqa: E402
 
 from swiftlm.serve.app import ServerSettings, create_app  # noqa: E402
 from swiftlm.serve.translate import ServedModels  # noqa: E402
@@ -179,7 +179,7 @@ def send_all(url: str, cases: list, failures: list) -> None:
 )
 def test_every_route_but_health_and_the_page_needs_a_key(tiny_tokenizer):
     app, engine = slow_app(tiny_tokenizer, api_keys=("key-one", "key-two"))
-    routes = [(r.path, sorted(r.methods)[0]) for r in app.routes if hasattr(r, "methods")]
+    routes = app_routes(app)
     assert {"/v1/models", "/v1/chat/completions", "/metrics", "/health", "/"} <= {
         p for p, _ in routes
     }
