@@ -32,7 +32,7 @@ LOSS_TYPES: dict[str, tuple[str, ...]] = {
     "grpo": GRPO_LOSS_TYPES,
     "gkd": (),
 }
-# ms-swift's defaults (TRL's differ for grpo: beta 0.0; see the README's table).
+# ms-swift's defaults (TRL's differ for grpo: beta 0.0; see docs/alignment.md's table).
 DEFAULT_BETA: dict[str, float | None] = {
     "dpo": 0.1, "simpo": 2.0, "orpo": 0.1, "cpo": 0.1, "kto": 0.1, "rm": None, "grpo": 0.04,
     "gkd": 0.5,
@@ -64,7 +64,7 @@ class RLHFArguments:
         "bco_pair depend on how a step is split into micro-batches); dpo takes several "
         "(`--loss_type sigmoid bco_pair`, weighted by --loss_weights); cpo: sigmoid, hinge, ipo; "
         "simpo and orpo: sigmoid; kto: kto, apo_zero_unpaired; grpo: grpo (default), bnpo, "
-        "dr_grpo, dapo (see the README's GRPO section); rm and gkd: none.",
+        "dr_grpo, dapo (see docs/alignment.md, GRPO); rm and gkd: none.",
         default=None,
     )
     label_smoothing: float = doc(
