@@ -20,7 +20,7 @@ from swiftlm.serve.completions import Completions
 from swiftlm.serve.errors import install_error_handlers
 from swiftlm.serve.generation import now_s
 from swiftlm.serve.guard import Gate, ServerState
-from swiftlm.serve.metrics import ServerMetrics
+from swiftlm.serve.metrics import GenerationMetrics
 from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest
 from swiftlm.serve.translate import ServedModels
 
@@ -47,7 +47,7 @@ def create_app(
     away with 503 (graceful shutdown)."""
     # No /docs or /openapi.json: fewer routes to guard, and the API is OpenAI's, documented.
     app = FastAPI(title="swiftlm", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(engine)
+    metrics = GenerationMetrics(engine)
     state = ServerState(settings.api_keys, settings.max_body_bytes)
     app.state.server = state
     app.state.metrics = metrics

@@ -24,7 +24,7 @@ from swiftlm.serve.generation import (
     run_on_engine,
     submit,
 )
-from swiftlm.serve.metrics import RequestTimer, ServerMetrics
+from swiftlm.serve.metrics import GenerationMetrics, RequestTimer
 from swiftlm.serve.schemas import ChatCompletionRequest, CompletionRequest
 from swiftlm.serve.structured import Constraints
 from swiftlm.serve.tools import template_tools, tool_message
@@ -46,7 +46,7 @@ class Job:
     engine: Engine
     requests: list[GenerationRequest]
     limits: Limits
-    metrics: ServerMetrics
+    metrics: GenerationMetrics
     model: str
     endpoint: str
     http: Request

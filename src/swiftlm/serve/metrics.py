@@ -1,5 +1,7 @@
 """Prometheus metrics of one server (`GET /metrics`), in a registry of its own so that several
-apps (tests) can live in one process."""
+apps (tests) can live in one process. Every server counts its responses by status (the gate
+calls `count_response`); a generating model adds its requests, tokens and latencies, a reward
+model the conversations and tokens it scored."""
 
 import time
 
@@ -12,14 +14,30 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine):
+    """What every server exports: its responses by status code."""
+
+    def __init__(self):
         self.registry = CollectorRegistry()
+        self.responses = Counter(
+            "swiftlm_http_responses",
+            "HTTP responses by status code.",
+            ["status"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def count_response(self, status: int) -> None:
+        self.responses.labels(str(status)).inc()
+
+
+class GenerationMetrics(ServerMetrics):
+    def __init__(self, engine: Engine):
+        super().__init__()
         r = self.registry
         self.requests = Counter(
             "swiftlm_requests", "Generation requests admitted.", ["model", "endpoint"], registry=r
-        )
-        self.responses = Counter(
-            "swiftlm_http_responses", "HTTP responses by status code.", ["status"], registry=r
         )
         self.prompt_tokens = Counter(
             "swiftlm_prompt_tokens", "Prompt tokens of admitted requests.", ["model"], registry=r
@@ -44,12 +62,6 @@ class ServerMetrics:
     def _histogram(self, name: str, text: str) -> Histogram:
         return Histogram(name, text, ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def count_response(self, status: int) -> None:
-        self.responses.labels(str(status)).inc()
-
     def track(self, model: str, endpoint: str, prompt_tokens: int) -> "RequestTimer":
         self.requests.labels(model, endpoint).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
@@ -59,7 +71,7 @@ class ServerMetrics:
 class RequestTimer:
     """Times one request's samples as their deltas arrive."""
 
-    def __init__(self, metrics: ServerMetrics, model: str):
+    def __init__(self, metrics: GenerationMetrics, model: str):
         self.metrics = metrics
         self.model = model
         self.start = time.perf_counter()
@@ -83,3 +95,17 @@ class RequestTimer:
 
     def finish(self) -> None:
         self.metrics.request_latency.labels(self.model).observe(time.perf_counter() - self.start)
+
+
+class ScoringMetrics(ServerMetrics):
+    def __init__(self):
+        super().__init__()
+        r = self.registry
+        self.scored = Counter("swiftlm_scored_conversations", "Conversations scored.", registry=r)
+        self.prompt_tokens = Counter(
+            "swiftlm_prompt_tokens", "Tokens scored.", ["model"], registry=r
+        )
+
+    def count_scored(self, model: str, conversations: int, tokens: int) -> None:
+        self.scored.inc(conversations)
+        self.prompt_tokens.labels(model).inc(tokens)

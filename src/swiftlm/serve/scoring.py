@@ -25,7 +25,7 @@ from typing import Literal
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
 from swiftlm.data.rows import RowError
@@ -33,6 +33,7 @@ from swiftlm.infer.score import RewardScorer, score_sample
 from swiftlm.serve.errors import APIError, install_error_handlers
 from swiftlm.serve.generation import now_s
 from swiftlm.serve.guard import Gate, ServerState
+from swiftlm.serve.metrics import ScoringMetrics
 from swiftlm.serve.schemas import TextPart
 from swiftlm.serve.translate import ServedModels
 
@@ -103,12 +104,7 @@ def create_scoring_app(scorer: RewardScorer, models: ServedModels, settings) -> 
     app = FastAPI(title="swiftlm", docs_url=None, redoc_url=None, openapi_url=None)
     state = ServerState(settings.api_keys, settings.max_body_bytes)
     app.state.server = state
-    registry = CollectorRegistry()
-    scored = Counter("swiftlm_scored_conversations", "Conversations scored.", registry=registry)
-    tokens = Counter("swiftlm_prompt_tokens", "Tokens scored.", ["model"], registry=registry)
-    responses = Counter(
-        "swiftlm_http_responses", "HTTP responses by status code.", ["status"], registry=registry
-    )
+    metrics = ScoringMetrics()
     install_error_handlers(app)
     created = now_s()
 
@@ -118,7 +114,7 @@ def create_scoring_app(scorer: RewardScorer, models: ServedModels, settings) -> 
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models():
@@ -132,8 +128,7 @@ def create_scoring_app(scorer: RewardScorer, models: ServedModels, settings) -> 
         rows = prompt_ids(scorer, body, settings.system)
         scores = await run_in_threadpool(scorer.score_ids, rows)
         count = sum(map(len, rows))
-        scored.inc(len(rows))
-        tokens.labels(body.model).inc(count)
+        metrics.count_scored(body.model, len(rows), count)
         data = [{"object": "score", "index": i, "score": s} for i, s in enumerate(scores)]
         usage = {"prompt_tokens": count, "total_tokens": count}
         return {"object": "list", "data": data, "model": body.model, "usage": usage}
@@ -149,5 +144,5 @@ def create_scoring_app(scorer: RewardScorer, models: ServedModels, settings) -> 
             code="model_not_generative",
         )
 
-    app.add_middleware(Gate, state=state, on_status=lambda s: responses.labels(str(s)).inc())
+    app.add_middleware(Gate, state=state, on_status=metrics.count_response)
     return app
