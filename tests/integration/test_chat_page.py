@@ -24,7 +24,7 @@ def server(tiny_model_dir, tiny_lora_run):
     if chromium_path() is None:
         pytest.skip("chromium is not installed (.ci/run installs it with apt-get as root)")
     from swiftlm.infer.engine import build_engine
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
     adapters = {"my-run": str(tiny_lora_run / "final")}
@@ -32,7 +32,7 @@ def server(tiny_model_dir, tiny_lora_run):
         str(tiny_model_dir), adapters=adapters, max_num_seqs=4, max_model_len=256, seed=0
     )
     settings = ServerSettings(api_keys=(KEY,))
-    app = create_app(engine, engine.tokenizer, ServedModels("tiny", ("my-run",)), settings)
+    app = generation_app(engine, engine.tokenizer, ServedModels("tiny", ("my-run",)), settings)
     with ServerThread(app) as url:
         yield url
     engine.shutdown()

@@ -42,12 +42,12 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 def serve(model_dir, parser):
     from swiftlm.infer.engine import build_engine
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
     engine = build_engine(str(model_dir), max_num_seqs=4, max_model_len=1024, seed=0)
     settings = ServerSettings(tool_call_parser=parser)
-    return engine, create_app(engine, engine.tokenizer, ServedModels("tiny"), settings)
+    return engine, generation_app(engine, engine.tokenizer, ServedModels("tiny"), settings)
 
 
 @pytest.fixture

@@ -306,14 +306,13 @@ def score_client(polite_run):
     from swiftlm.config import DeployConfig
     from swiftlm.config.parse import from_flat_dict
     from swiftlm.infer.score import load_scorer
-    from swiftlm.serve.app import ServerSettings
+    from swiftlm.serve.app import ServerSettings, scoring_app
     from swiftlm.serve.models import plan_deployment
-    from swiftlm.serve.scoring import create_scoring_app
 
     plan = plan_deployment(from_flat_dict(DeployConfig, {"ckpt_dir": str(polite_run)}))
     assert plan.reward_model and plan.served.base == "polite-rm"
     scorer = load_scorer(plan.spec, from_flat_dict(DeployConfig, {}).model)
-    with TestClient(create_scoring_app(scorer, plan.served, ServerSettings())) as client:
+    with TestClient(scoring_app(scorer, plan.served, ServerSettings())) as client:
         yield client, scorer
 
 

@@ -28,10 +28,12 @@ def engine(tiny_model_dir, tiny_lora_run):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
-    app = create_app(engine, engine.tokenizer, ServedModels("tiny", ("my-run",)), ServerSettings())
+    app = generation_app(
+        engine, engine.tokenizer, ServedModels("tiny", ("my-run",)), ServerSettings()
+    )
     with ServerThread(app) as url:
         yield url
 

@@ -65,11 +65,11 @@ def test_deploy_flags_are_checked(capsys):
 
 
 def test_a_draining_server_answers_503(tiny_tokenizer):
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
     engine = SlowEngine(token_id=5)
-    app = create_app(engine, tiny_tokenizer, ServedModels("tiny"), ServerSettings())
+    app = generation_app(engine, tiny_tokenizer, ServedModels("tiny"), ServerSettings())
     with ServerThread(app) as url:
         assert httpx.get(f"{url}/v1/models").status_code == 200
         app.state.server.draining = True

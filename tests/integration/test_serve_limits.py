@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 
 from serve_helpers import ServerThread, SlowEngine, app_routes  # noqa: E402
 
-from swiftlm.serve.app import ServerSettings, create_app  # noqa: E402
+from swiftlm.serve.app import ServerSettings, generation_app  # noqa: E402
 from swiftlm.serve.translate import ServedModels  # noqa: E402
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -37,14 +37,14 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, engine.tokenizer, ServedModels("tiny"), ServerSettings(max_n=4))
+    app = generation_app(engine, engine.tokenizer, ServedModels("tiny"), ServerSettings(max_n=4))
     with ServerThread(app) as url:
         yield url
 
 
 def slow_app(tokenizer, **settings):
     engine = SlowEngine(token_id=tokenizer.convert_tokens_to_ids("a"), max_num_seqs=1)
-    app = create_app(engine, tokenizer, ServedModels("tiny"), ServerSettings(**settings))
+    app = generation_app(engine, tokenizer, ServedModels("tiny"), ServerSettings(**settings))
     return app, engine
 
 
@@ -292,7 +292,7 @@ class BrokenEngine(SlowEngine):
 
 def test_a_server_bug_is_a_500_openai_error_and_the_worker_survives(tiny_tokenizer):
     engine = BrokenEngine(token_id=5, delay=0.01)
-    app = create_app(engine, tiny_tokenizer, ServedModels("tiny"), ServerSettings())
+    app = generation_app(engine, tiny_tokenizer, ServedModels("tiny"), ServerSettings())
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         reply = http.post("/v1/chat/completions", json=chat())
         assert reply.status_code == 500

@@ -53,10 +53,10 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
-    app = create_app(engine, engine.tokenizer, ServedModels("tiny", ADAPTERS), ServerSettings())
+    app = generation_app(engine, engine.tokenizer, ServedModels("tiny", ADAPTERS), ServerSettings())
     with ServerThread(app) as url:
         yield url
 

@@ -55,11 +55,11 @@ ITEM = {
 
 def build_app(model_dir):
     from swiftlm.infer.engine import build_engine
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
     engine = build_engine(str(model_dir), max_num_seqs=8, max_model_len=1024, seed=0)
-    app = create_app(engine, engine.tokenizer, ServedModels("tiny"), ServerSettings())
+    app = generation_app(engine, engine.tokenizer, ServedModels("tiny"), ServerSettings())
     return engine, app
 
 

@@ -213,11 +213,11 @@ def test_bad_images_are_400s_naming_the_part(server, picture):
 
 
 def test_image_parts_for_a_text_only_model_are_a_400(tiny_tokenizer, picture):
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
     engine = SlowEngine(token_id=5)
-    app = create_app(engine, tiny_tokenizer, ServedModels("tiny"), ServerSettings())
+    app = generation_app(engine, tiny_tokenizer, ServedModels("tiny"), ServerSettings())
     try:
         with ServerThread(app) as url:
             body = {"model": "tiny", "messages": image_message(data_url(picture))}
@@ -235,13 +235,13 @@ def test_image_parts_for_a_text_only_model_are_a_400(tiny_tokenizer, picture):
 
 
 def test_local_paths_are_read_only_with_the_opt_in(local_engine, local_answer, picture):
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 
     engine = local_engine.engine
     for allowed in (False, True):
         settings = ServerSettings(allow_local_images=allowed)
-        app = create_app(engine, engine.tokenizer, ServedModels("llava"), settings)
+        app = generation_app(engine, engine.tokenizer, ServedModels("llava"), settings)
         with ServerThread(app) as url:
             for reference in (str(picture), f"file://{picture}"):
                 body = {

@@ -1,6 +1,9 @@
 """`swiftlm deploy`: an OpenAI-compatible HTTP server over the continuous-batching engine.
 
-- `app.py`: the FastAPI app factory and its routes; `completions.py`: the two generation routes;
+- `app.py`: the one FastAPI app factory, and the routers a generating model and a reward model
+  mount; `routes/`: one router per endpoint group (chat, completions, models, scoring, health,
+  metrics, the chat page);
+- `completions.py`: the two generation routes' work; `scoring.py`: a reward model's /v1/score;
 - `schemas.py`: request bodies; `translate.py`: requests -> engine requests (checks included);
 - `generation.py`: engine deltas into the event loop (queue bound, timeout, disconnects);
 - `responses.py`: OpenAI response bodies and stream chunks; `errors.py`: OpenAI error objects;

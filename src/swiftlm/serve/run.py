@@ -95,7 +95,7 @@ def start_engine(cfg: DeployConfig, plan: DeployPlan):
 def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
     import uvicorn
 
-    from swiftlm.serve.app import ServerSettings, create_app
+    from swiftlm.serve.app import ServerSettings, generation_app, scoring_app
 
     args = cfg.deploy
     settings = ServerSettings(
@@ -109,11 +109,9 @@ def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
         tool_call_parser=args.tool_call_parser,
     )
     if plan.reward_model:
-        from swiftlm.serve.scoring import create_scoring_app
-
-        app = create_scoring_app(engine, plan.served, settings)
+        app = scoring_app(engine, plan.served, settings)
     else:
-        app = create_app(engine, engine.tokenizer, plan.served, settings)
+        app = generation_app(engine, engine.tokenizer, plan.served, settings)
     config = uvicorn.Config(
         app,
         host=args.host,

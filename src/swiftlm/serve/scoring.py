@@ -1,5 +1,5 @@
-"""The app `swiftlm deploy` serves for a reward model (`swiftlm rlhf --rlhf_type rm`):
-`POST /v1/score`, with `GET /v1/models`, `GET /health` and `GET /metrics`, and no generation.
+"""`POST /v1/score`, what `swiftlm deploy` serves for a reward model (`swiftlm rlhf --rlhf_type
+rm`) beside /v1/models, /health and /metrics (serve.app.scoring_app mounts them); no generation.
 
 A reward model has a score head instead of a language-model head, so it is loaded without a
 generation engine (`infer/score.py`) and the generation routes answer 400, naming the route
@@ -22,17 +22,12 @@ The answer:
 
 from typing import Literal
 
-from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
 from swiftlm.data.rows import RowError
 from swiftlm.infer.score import RewardScorer, score_sample
-from swiftlm.serve.errors import APIError, install_error_handlers
-from swiftlm.serve.generation import now_s
-from swiftlm.serve.guard import Gate, ServerState
+from swiftlm.serve.errors import APIError
 from swiftlm.serve.metrics import ScoringMetrics
 from swiftlm.serve.schemas import TextPart
 from swiftlm.serve.translate import ServedModels
@@ -99,50 +94,36 @@ def prompt_ids(scorer: RewardScorer, request: ScoreRequest, system: str | None) 
     return rows
 
 
-def create_scoring_app(scorer: RewardScorer, models: ServedModels, settings) -> FastAPI:
-    """The app over a loaded reward model; `settings` is serve.app.ServerSettings."""
-    app = FastAPI(title="swiftlm", docs_url=None, redoc_url=None, openapi_url=None)
-    state = ServerState(settings.api_keys, settings.max_body_bytes)
-    app.state.server = state
-    metrics = ScoringMetrics()
-    install_error_handlers(app)
-    created = now_s()
+class Scoring:
+    """What a reward model's routes (serve.routes.scoring) do: score, and refuse to generate."""
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    def __init__(
+        self,
+        scorer: RewardScorer,
+        models: ServedModels,
+        system: str | None,
+        metrics: ScoringMetrics,
+    ):
+        self.scorer = scorer
+        self.models = models
+        self.system = system  # the server's --system prompt, as in generation
+        self.metrics = metrics
 
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def list_models():
-        model = {"id": models.base, "object": "model", "created": created, "owned_by": "swiftlm"}
-        extra = {"root": models.base, "parent": None, "max_model_len": scorer.max_length}
-        return {"object": "list", "data": [{**model, **extra, "task": "score"}]}
-
-    @app.post("/v1/score")
-    async def score(body: ScoreRequest):
-        models.adapter_for(body.model)  # 404 for a name that is not served
-        rows = prompt_ids(scorer, body, settings.system)
-        scores = await run_in_threadpool(scorer.score_ids, rows)
+    async def score(self, body: ScoreRequest) -> dict:
+        self.models.adapter_for(body.model)  # 404 for a name that is not served
+        rows = prompt_ids(self.scorer, body, self.system)
+        scores = await run_in_threadpool(self.scorer.score_ids, rows)
         count = sum(map(len, rows))
-        metrics.count_scored(body.model, len(rows), count)
+        self.metrics.count_scored(body.model, len(rows), count)
         data = [{"object": "score", "index": i, "score": s} for i, s in enumerate(scores)]
         usage = {"prompt_tokens": count, "total_tokens": count}
         return {"object": "list", "data": data, "model": body.model, "usage": usage}
 
-    @app.post("/v1/chat/completions")
-    @app.post("/v1/completions")
-    async def no_generation():
-        raise APIError(
+    def generation_refused(self) -> APIError:
+        return APIError(
             400,
-            f"The model '{models.base}' is a reward model: it scores conversations and cannot "
-            "generate; send them to POST /v1/score",
+            f"The model '{self.models.base}' is a reward model: it scores conversations and "
+            "cannot generate; send them to POST /v1/score",
             param="model",
             code="model_not_generative",
         )
-
-    app.add_middleware(Gate, state=state, on_status=metrics.count_response)
-    return app
