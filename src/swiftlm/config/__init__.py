@@ -3,8 +3,8 @@
 - `sections.py` (training, model, data, quantization), `sections_dist.py` (processes,
   nodes, parallel strategies) and `sections_infer.py` (generation,
   inference, export), `sections_serve.py` (deploy) and `sections_rlhf.py` (rlhf): the sections; each checks its own fields (`checks.py`) when built;
-- `commands.py`: the configs of `swiftlm sft/pt`, `rlhf`, `infer`, `export` and `deploy`, and the flags each
-  command leaves out (`UNUSED_FLAGS`);
+- `commands.py`: each command's config, and the flags each command reads (`READS`, an
+  allow-list per section; `UNUSED_FLAGS`, what its parser leaves out, is derived from it);
 - `argv.py`: repeated and aliased flags resolved before argparse;
 - `rules.py`: every rule between flags, run once by a command with `rules.check(cfg)`;
 - `parse.py`: a config from a YAML file plus flags, and back to config.yaml.

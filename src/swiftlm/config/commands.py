@@ -103,129 +103,121 @@ class DeployConfig:
     plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
-# Flags of a command's config that the command does not use: left out of its parser and
-# `--help`, and an error when given (flag or YAML key). A test runs each command's parser.
-_EXPORT_ONLY = frozenset({"group_size", "quant_n_samples"})
-_SFT_ONLY = frozenset({"system", "loss_scope", "truncation_strategy", "model_name", "model_author"})
-# Flags of vision-language training (sft, dpo).
-_VISION_TRAINING = frozenset(
-    {"max_pixels", "freeze_vit", "freeze_aligner", "freeze_llm", "dataset_num_proc"}
-)
-# --streaming reads pre-training text while training (sft and rlhf refuse it: not their flag).
-_PT_ONLY = frozenset({"streaming", "shuffle_buffer_size"})
-UNUSED_FLAGS: dict[str, frozenset[str]] = {
-    "sft": _EXPORT_ONLY | _PT_ONLY,
-    # Pre-training reads plain text cut into --max_length chunks: no chat, no truncation.
-    # --dataset_num_proc: the processes that tokenize local text into token shards.
-    "pt": _EXPORT_ONLY | _SFT_ONLY | (_VISION_TRAINING - {"dataset_num_proc"}),
-    # The loss is on each pair's last answer; there is no self-cognition data to fill in.
-    # Pairs are preprocessed in the main process (--dataset_num_proc is sft's).
-    "rlhf": _EXPORT_ONLY
-    | _PT_ONLY
-    | frozenset({"loss_scope", "model_name", "model_author", "dataset_num_proc"}),
-    # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
-    "infer": frozenset(
-        {
-            "dataset_num_proc",
-            "dataset",
-            "split_dataset_ratio",
-            "max_length",
-            "truncation_strategy",
-            "loss_scope",
-            "load_from_cache_file",
-            "streaming",
-            "shuffle_buffer_size",
-        }
-    ),
-    # --dataset is calibration data for gptq/awq, rendered like training with every token kept.
-    "export": frozenset(
-        {
-            "dataset_num_proc",
-            "val_dataset",
-            "split_dataset_ratio",
-            "truncation_strategy",
-            "loss_scope",
-            "load_from_cache_file",
-            "result_path",
-            "max_batch_size",
-            "stream",
-            "streaming",
-            "shuffle_buffer_size",
-            "seed",
-            "task",
-            "max_pixels",
-            "images",
-        }
-    ),
-    # Requests bring their own prompts and sampling; --system is the one data flag kept.
-    "deploy": frozenset(
-        {
-            "dataset_num_proc",
-            "dataset",
-            "val_dataset",
-            "split_dataset_ratio",
-            "max_length",
-            "truncation_strategy",
-            "loss_scope",
-            "skip_bad_rows",
-            "data_seed",
-            "load_from_cache_file",
-            "result_path",
-            "max_batch_size",
-            "stream",
-            "streaming",
-            "shuffle_buffer_size",
-            "task",  # a reward model is served for scoring (/v1/score), found from its files
-            "images",  # requests bring their images as image_url parts
-        }
-    ),
-    # Tasks bring their own data; --dataset names the training data of the contamination
-    # check (default: the evaluated run's), --system the system prompt of chat tasks.
-    "eval": frozenset(
-        {
-            "dataset_num_proc",
-            "val_dataset",
-            "split_dataset_ratio",
-            "max_length",
-            "truncation_strategy",
-            "loss_scope",
-            "skip_bad_rows",
-            "data_seed",
-            "load_from_cache_file",
-            "result_path",
-            "stream",
-            "streaming",
-            "shuffle_buffer_size",
-            "task",
-            "max_pixels",
-            "images",
-        }
-    ),
-    "report": frozenset(),  # its own section only
-    "web": frozenset(),  # its own section only
-    # The planner reads the job's shape from the training flags; the others do not change it.
-    "plan": (
-        frozenset(
-            f.name
-            for section in (ModelArguments, DataArguments, TunerArguments, TrainArguments)
-            for f in fields(section)
-        )
-        | frozenset(f.name for f in fields(DistArguments))
-    )
-    - {
-        "model",
-        "torch_dtype",
-        "max_length",
-        "train_type",
-        "lora_rank",
-        "target_modules",
-        "per_device_train_batch_size",
-        "gradient_accumulation_steps",
-        "gradient_checkpointing",
-        "fused_cross_entropy",
-        "nnodes",
-    },
+# What each command reads: per section of its config, every flag (ALL) or the flags named.
+# The command's parser, `--help`, the unknown-flag check and the web UI's forms offer exactly
+# these; any other flag of the config is an error when given (flag or YAML key).
+# tests/unit/test_command_reads.py checks each declared flag exists and is read by the code.
+ALL = "all"
+_QUANT_TRAINING = ("quant_method", "quant_bits", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+_TRAINING = {  # what sft, pt and rlhf read besides model, data, tuner and quant
+    "train": ALL,
+    "output": ALL,
+    "dist": ALL,
+    "monitor": ALL,
+    "evaluation": ALL,
+    "plugins": ALL,
 }
+READS: dict[str, dict[str, str | tuple[str, ...]]] = {
+    "sft": {
+        "model": ALL,
+        # Not --streaming/--shuffle_buffer_size: streaming reads pre-training text (pt's).
+        "data": (
+            "dataset", "val_dataset", "split_dataset_ratio", "max_length",
+            "truncation_strategy", "system", "loss_scope", "skip_bad_rows", "data_seed",
+            "load_from_cache_file", "max_pixels", "dataset_num_proc",
+        ),
+        "tuner": ALL,  # with the vision freeze flags (sft and dpo train vision models)
+        "quant": _QUANT_TRAINING,  # --group_size and --quant_n_samples are export's
+        **_TRAINING,
+    },
+    "pt": {
+        # Plain text cut into --max_length chunks: no chat, no truncation, no self-cognition
+        # names, no images; --dataset_num_proc tokenizes local text into token shards.
+        "model": ("model", "torch_dtype", "device", "attn_impl"),
+        "data": (
+            "dataset", "val_dataset", "split_dataset_ratio", "max_length", "skip_bad_rows",
+            "data_seed", "load_from_cache_file", "dataset_num_proc", "streaming",
+            "shuffle_buffer_size",
+        ),
+        "tuner": (
+            "train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules",
+            "use_rslora", "modules_to_save", "freeze_parameters",
+        ),
+        "quant": _QUANT_TRAINING,
+        **_TRAINING,
+    },
+    "rlhf": {
+        # The loss is on each pair's last answer; there is no self-cognition data to fill in.
+        # Pairs are preprocessed in the main process (--dataset_num_proc is sft's).
+        "model": ("model", "torch_dtype", "device", "attn_impl"),
+        "data": (
+            "dataset", "val_dataset", "split_dataset_ratio", "max_length",
+            "truncation_strategy", "system", "skip_bad_rows", "data_seed",
+            "load_from_cache_file", "max_pixels",
+        ),
+        "tuner": ALL,
+        "quant": _QUANT_TRAINING,
+        **_TRAINING,
+        "rlhf": ALL,
+        "grpo": ALL,
+        "gkd": ALL,
+    },
+    "infer": {
+        "model": ALL,
+        # Prompts come from --val_dataset; answers are bounded by --max_new_tokens.
+        "data": ("val_dataset", "system", "skip_bad_rows", "data_seed", "max_pixels"),
+        "generation": ALL,
+        "infer": ALL,
+        "overwrite": ALL,
+        "plugins": ALL,
+    },
+    "eval": {
+        "model": ALL,
+        # Tasks bring their own data; --dataset names the training data of the contamination
+        # check (default: the evaluated run's), --system the system prompt of chat tasks.
+        "data": ("dataset", "system"),
+        "generation": ALL,
+        "infer": ("adapters", "ckpt_dir", "max_batch_size", "seed"),
+        "eval": ALL,
+        "overwrite": ALL,
+        "plugins": ALL,
+    },
+    "export": {
+        "model": ALL,
+        # --dataset is calibration data for gptq/awq, rendered like training, every token kept.
+        "data": ("dataset", "max_length", "system", "skip_bad_rows", "data_seed"),
+        "infer": ("adapters", "ckpt_dir"),
+        "export": ALL,
+        "quant": ALL,
+        "overwrite": ALL,
+        "plugins": ALL,
+    },
+    "deploy": {
+        "model": ALL,
+        # Requests bring their own prompts, sampling and images (image_url parts); a reward
+        # model is served for scoring (/v1/score), found from its files.
+        "data": ("system", "max_pixels"),
+        "infer": ("adapters", "ckpt_dir", "seed"),
+        "deploy": ALL,
+        "plugins": ALL,
+    },
+    "report": {"report": ALL, "overwrite": ALL, "plugins": ALL},
+    "web": {"web": ALL, "plugins": ALL},
+    "plan": {
+        # The job's shape from the training flags; the others do not change it.
+        "model": ("model", "torch_dtype"),
+        "data": ("max_length",),
+        "tuner": ("train_type", "lora_rank", "target_modules"),
+        "train": (
+            "per_device_train_batch_size", "gradient_accumulation_steps",
+            "gradient_checkpointing", "fused_cross_entropy",
+        ),
+        "nodes": ("nnodes",),
+        "plan": ALL,
+        "overwrite": ALL,
+        "plugins": ALL,
+    },
+}  # fmt: skip
 
 
 @dataclass
@@ -258,3 +250,38 @@ class PlanConfig:
     plan: PlanArguments = field(default_factory=PlanArguments)
     overwrite: OverwriteArguments = field(default_factory=OverwriteArguments)
     plugins: PluginArguments = field(default_factory=PluginArguments)
+
+
+COMMAND_CONFIGS: dict[str, type] = {
+    "sft": TrainConfig,
+    "pt": TrainConfig,
+    "rlhf": RLHFConfig,
+    "infer": InferConfig,
+    "eval": EvalConfig,
+    "export": ExportConfig,
+    "deploy": DeployConfig,
+    "report": ReportConfig,
+    "web": WebConfig,
+    "plan": PlanConfig,
+}
+
+
+def read_flags(command: str) -> frozenset[str]:
+    """The flags `command` reads (READS, with ALL spelled out)."""
+    reads, sections = READS[command], {f.name: f for f in fields(COMMAND_CONFIGS[command])}
+    flags: set[str] = set()
+    for name, which in reads.items():
+        section = [f.name for f in fields(sections[name].default_factory)]
+        flags.update(section if which == ALL else which)
+    return frozenset(flags)
+
+
+def _left_out(command: str) -> frozenset[str]:
+    """The flags of `command`'s config that it does not read (derived from READS)."""
+    config = COMMAND_CONFIGS[command]
+    every = {g.name for f in fields(config) for g in fields(f.default_factory)}
+    return frozenset(every - read_flags(command))
+
+
+# What each command's parser leaves out, derived from READS (its complement in the config).
+UNUSED_FLAGS: dict[str, frozenset[str]] = {command: _left_out(command) for command in READS}

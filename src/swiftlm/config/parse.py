@@ -252,7 +252,7 @@ def config_to_dict(config: Any) -> dict[str, dict[str, Any]]:
 
 def save_config(config: Any, path: Path, unused: frozenset = frozenset()) -> None:
     """Write `config` as YAML, leaving out the flags its command does not use (`unused`, from
-    UNUSED_FLAGS), so that the file can be given back to the same command."""
+    UNUSED_FLAGS: what commands.READS leaves out), so that the file can be given back to the same command."""
     path.parent.mkdir(parents=True, exist_ok=True)
     sections = {
         name: {key: value for key, value in fields.items() if key not in unused}
