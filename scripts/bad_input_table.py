@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from generated_page import write_or_check
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "bad-input.md"
 
@@ -73,15 +75,8 @@ def render() -> str:
 
 def main(argv: list[str]) -> int:
     page = render()
-    if "--check" in argv:
-        if not PAGE.is_file() or PAGE.read_text(encoding="utf-8") != page:
-            print(f"{PAGE} is out of date: run python scripts/bad_input_table.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(page, encoding="utf-8")
-    print(f"wrote {PAGE} ({page.count(chr(10)) - HEADER.count(chr(10))} rows)")
-    return 0
+    rows = page.count(chr(10)) - HEADER.count(chr(10))
+    return write_or_check(PAGE, page, argv, f" ({rows} rows)")
 
 
 if __name__ == "__main__":

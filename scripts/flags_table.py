@@ -17,6 +17,8 @@ import types
 import typing
 from pathlib import Path
 
+from generated_page import write_or_check
+
 import swiftlm.config as config_module
 from swiftlm.cli.main import COMMANDS
 from swiftlm.config.parse import section_types
@@ -129,16 +131,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    page = render()
-    if "--check" in argv:
-        current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
-        if current != page:
-            print(f"{PAGE} is stale: run python scripts/flags_table.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(page, encoding="utf-8")
-    print(f"wrote {PAGE}")
-    return 0
+    return write_or_check(PAGE, render(), argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ fails when the page is stale or when a flag below falls in none of the tables.
 import sys
 from pathlib import Path
 
+from generated_page import write_or_check
+
 from swiftlm.config import (
     UNUSED_FLAGS,
     DeployConfig,
@@ -174,16 +176,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    page = render()
-    if "--check" in argv:
-        current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
-        if current != page:
-            print(f"{PAGE} is stale: run python scripts/ms_swift_table.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(page, encoding="utf-8")
-    print(f"wrote {PAGE}")
-    return 0
+    return write_or_check(PAGE, render(), argv)
 
 
 if __name__ == "__main__":

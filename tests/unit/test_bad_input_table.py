@@ -1,18 +1,14 @@
 """docs/bad-input.md is generated from the tests' bad_input markers and must be current."""
 
-import importlib.util
 from pathlib import Path
+
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def table_script():
-    spec = importlib.util.spec_from_file_location(
-        "bad_input_table", ROOT / "scripts" / "bad_input_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bad_input_table")
 
 
 def test_the_page_lists_every_marked_test_and_is_current():

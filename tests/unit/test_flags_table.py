@@ -1,19 +1,15 @@
 """docs/flags.md is generated from the config sections' help text and must be current."""
 
-import importlib.util
 import re
 from pathlib import Path
+
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def table_script():
-    spec = importlib.util.spec_from_file_location(
-        "flags_table", ROOT / "scripts" / "flags_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("flags_table")
 
 
 def test_the_page_lists_every_flag_of_every_command_and_is_current():

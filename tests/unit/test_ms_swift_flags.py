@@ -1,11 +1,11 @@
 """ms-swift command lines and YAML files under swiftlm: renamed flags, flags mapped by value
 (each with a note), and unsupported flags as errors that say why and what to use."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from script_loader import load_script
 from swiftlm.cli.main import main
 from swiftlm.config import UNUSED_FLAGS, TrainConfig, parse_config
 from swiftlm.config.ms_swift import RENAMED, UNSUPPORTED, VALUE_RULES
@@ -25,12 +25,7 @@ QUICK_START = QUICK_START.split()
 
 
 def table_script():
-    spec = importlib.util.spec_from_file_location(
-        "ms_swift_table", ROOT / "scripts" / "ms_swift_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ms_swift_table")
 
 
 def parse(argv, config_cls=TrainConfig, command="sft"):
