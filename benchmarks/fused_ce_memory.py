@@ -1,11 +1,12 @@
-"""Peak memory and time of the LM-head loss, plain vs fused chunked (swiftlm.losses.fused_ce).
+"""Peak memory and time of the LM-head loss, plain vs fused chunked (swiftlm.losses.chunked_ce).
 
 Forward + backward of the head and cross-entropy alone, on a SmolLM2-135M-sized head (hidden
 576, vocab 49152) and 4 x 512 tokens, in float32 and under bf16 autocast. The head weight is
 trained (full fine-tuning); `--frozen_head` measures the LoRA case. Variants: `plain` (full
 logits), `fused` (the summed loss, gradients made in forward) and `fused_token` (per-token
-losses, `fused_ce_token`, whose backward recomputes each chunk's logits), whose losses are
-weighted per token before the sum, as a DPO-style or per-sample weighted loss does.
+losses, `linear_cross_entropy_per_token`, whose backward recomputes each chunk's logits),
+whose losses are weighted per token before the sum, as a DPO-style or per-sample weighted
+loss does.
 
     python benchmarks/fused_ce_memory.py [--rows 4] [--seq 512] [--repeats 3] [--frozen_head]
 
@@ -52,8 +53,7 @@ def loss_fn(variant: str):
     import torch.nn.functional as F
 
     from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy_sum
-    from swiftlm.losses.fused_ce import linear_cross_entropy_sum
-    from swiftlm.losses.fused_ce_token import linear_cross_entropy_per_token
+    from swiftlm.losses.chunked_ce import linear_cross_entropy_per_token, linear_cross_entropy_sum
 
     if variant == "plain":  # what causal_lm_loss does after the model body
         return lambda h, w, labels: token_cross_entropy_sum(F.linear(h, w), labels)

@@ -23,8 +23,8 @@ from fused_ce_helpers import (
 )
 
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.losses import fused_ce
-from swiftlm.losses.fused_ce import (
+from swiftlm.losses import chunked_ce
+from swiftlm.losses.chunked_ce import (
     ChunkedLinearCrossEntropy,
     default_chunk_size,
     linear_cross_entropy_sum,
@@ -105,7 +105,7 @@ def test_second_backward_raises_instead_of_scaling_twice():
 @pytest.mark.parametrize("block_rows", [None, 5])
 def test_under_bf16_autocast_within_bf16_tolerance(monkeypatch, block_rows):
     if block_rows:  # the weight gradient is accumulated in several blocks of vocab rows
-        monkeypatch.setattr(fused_ce, "_ACCUMULATE_BLOCK_ELEMENTS", block_rows * H)
+        monkeypatch.setattr(chunked_ce, "_ACCUMULATE_BLOCK_ELEMENTS", block_rows * H)
     hidden, weight, b, targets = random_problem(bias=True)
     tensors = [hidden, weight, b]
     expected, expected_grads = loss_and_grads(

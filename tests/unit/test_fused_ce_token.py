@@ -30,7 +30,7 @@ from fused_ce_helpers import (
 
 from swiftlm.data.collate import collate, collate_packed
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.losses import fused_ce
+from swiftlm.losses import chunked_ce
 from swiftlm.losses.causal_lm import (
     causal_lm_loss,
     count_sequences,
@@ -38,13 +38,8 @@ from swiftlm.losses.causal_lm import (
     sequence_sums,
     shifted_labels,
 )
-from swiftlm.losses.fused_ce import (
-    find_fused_lm_head,
-    fused_causal_lm_loss,
-    install_fused_lm_head,
-    linear_cross_entropy_sum,
-)
-from swiftlm.losses.fused_ce_token import linear_cross_entropy_per_token
+from swiftlm.losses.chunked_ce import linear_cross_entropy_per_token, linear_cross_entropy_sum
+from swiftlm.losses.fused_ce import find_fused_lm_head, fused_causal_lm_loss, install_fused_lm_head
 from tolerance import assert_close, backward_terms, forward_terms
 
 # ---- the per-token function -----------------------------------------------------------------
@@ -125,7 +120,7 @@ def test_per_token_under_bf16_autocast(monkeypatch, block_rows):
     """Forward under autocast, backward outside it (as a training loop does): backward must
     still run the head in bf16, as the summed loss (gradients made in forward) does."""
     if block_rows:
-        monkeypatch.setattr(fused_ce, "_ACCUMULATE_BLOCK_ELEMENTS", block_rows * H)
+        monkeypatch.setattr(chunked_ce, "_ACCUMULATE_BLOCK_ELEMENTS", block_rows * H)
     hidden, weight, b, targets = random_problem(bias=True)
     tensors = [hidden, weight, b]
     expected = reference_token_losses(hidden, weight, b, targets).detach()

@@ -35,7 +35,7 @@ FP32 = 4
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb (the buckets together hold all gradients)
 DEEPSPEED_BUCKET_ELEMENTS = 5e8  # reduce_bucket_size in the built-in zero*.json
 DEEPSPEED_LIVE_ELEMENTS = 1e9  # ZeRO-3's stage3_max_live_parameters default
-FUSED_CE_CHUNK_ELEMENTS = 2**24  # losses/fused_ce.py: one chunk of float32 logits
+FUSED_CE_CHUNK_ELEMENTS = 2**24  # losses/chunked_ce.py: one chunk of float32 logits
 FUSED_CE_MIN_ROWS = 64
 # CPUs (glibc malloc): the forward's freed temporaries stay in the process's heap, between the
 # tensors autograd saves, so the resident memory of a forward grows by this multiple of what
