@@ -14,7 +14,7 @@ def _registries() -> list:
     from swiftlm.eval.task_file import BUILTIN_TASKS
     from swiftlm.losses.causal_lm import TOKEN_LOSSES
     from swiftlm.methods import METHODS
-    from swiftlm.methods.rewards import REWARD_FUNCS
+    from swiftlm.methods.rl.rewards import REWARD_FUNCS
     from swiftlm.models.loader import MODEL_LOADERS
     from swiftlm.models.templates import CHAT_TEMPLATES
     from swiftlm.plugins import loading, registry

@@ -25,9 +25,9 @@ from swiftlm.engine.protocol import GenerationRequest, SamplingParams
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import k3_kl
 from swiftlm.methods.base import EncodeResult, Layout
-from swiftlm.methods.online import prompt_ids
 from swiftlm.methods.reference import Reference
-from swiftlm.methods.rollout import PolicySampler, completion_rows, rollout_seed
+from swiftlm.methods.rl.online import prompt_ids
+from swiftlm.methods.rl.rollout import PolicySampler, completion_rows, rollout_seed
 
 SAMPLES_PER_PROMPT, MAX_NEW_TOKENS = 2, 6
 FIRST_STEP: dict = {}  # what the method trained on at step 1, for the independent check

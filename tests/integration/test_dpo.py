@@ -157,7 +157,7 @@ def test_lora_keeps_no_reference_copy_and_full_fine_tuning_a_frozen_one(tiny_mod
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.methods.dpo import DPO
+    from swiftlm.methods.preference.dpo import DPO
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -256,7 +256,7 @@ def test_a_crashed_run_resumed_equals_an_uninterrupted_one(
 ):
     """Full fine-tuning's frozen reference is the initial model also after a resume (it is
     taken before the checkpoint's weights load)."""
-    from swiftlm.methods.dpo import DPO
+    from swiftlm.methods.preference.dpo import DPO
 
     flags = dict(max_steps=4, save_steps=2, per_device_train_batch_size=4, train_type=train_type)
     flags |= dict(learning_rate="5e-3" if train_type == "lora" else "1e-4", lora_dropout=0)

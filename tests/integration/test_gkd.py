@@ -63,8 +63,8 @@ class Recorder:
     trained on."""
 
     def __init__(self, monkeypatch):
-        from swiftlm.methods.gkd import GKD
-        from swiftlm.methods.rollout import PolicySampler
+        from swiftlm.methods.rl.gkd import GKD
+        from swiftlm.methods.rl.rollout import PolicySampler
 
         self.models, self.steps = [], []
         generate, step_batches = PolicySampler.generate, GKD.step_batches
@@ -133,7 +133,7 @@ def test_the_step_loss_is_the_jsd_per_completion_token(
 
 def test_a_short_run_moves_the_student_to_the_teacher(tiny_model_dir, teacher, answers, tmp_path):
     """The JSD on the answers (eval_loss) falls; on-policy steps follow the (seed, step) draw."""
-    from swiftlm.methods.gkd import on_policy_step
+    from swiftlm.methods.rl.gkd import on_policy_step
 
     out = tmp_path / "run"
     flags = dict(max_steps=8, learning_rate="1e-2", train_type="full", eval_steps=1)
@@ -214,7 +214,7 @@ class Crash(Exception):
 def test_a_crashed_run_resumed_equals_an_uninterrupted_one(
     tiny_model_dir, teacher, answers, tmp_path, monkeypatch, capsys
 ):
-    from swiftlm.methods.gkd import GKD
+    from swiftlm.methods.rl.gkd import GKD
 
     flags = dict(max_steps=6, save_steps=3, learning_rate="3e-2", lmbda=0.5)
     assert main(gkd(tiny_model_dir, teacher, answers, tmp_path / "straight", **flags)) == 0

@@ -82,7 +82,7 @@ def test_the_engine_and_the_trainer_agree_on_the_sampled_tokens(tiny_model_dir, 
 
     from swiftlm.engine.protocol import GenerationRequest
     from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
-    from swiftlm.methods.rollout import PolicySampler, completion_rows, sampling_params
+    from swiftlm.methods.rl.rollout import PolicySampler, completion_rows, sampling_params
     from swiftlm.models.loader import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
@@ -161,7 +161,7 @@ def test_a_crashed_run_resumed_equals_an_uninterrupted_one(
 ):
     """6 steps, 2 optimizer steps per generation, a checkpoint at step 3: the resumed run
     trains step 4 on the completions sampled at step 3 (saved with the checkpoint)."""
-    from swiftlm.methods.grpo import GRPO
+    from swiftlm.methods.rl.grpo import GRPO
 
     flags = dict(
         max_steps=6, save_steps=3, steps_per_generation=2, learning_rate="3e-2",

@@ -247,7 +247,7 @@ def test_a_crashed_run_resumed_equals_an_uninterrupted_one(
     tiny_model_dir, answers, tmp_path, monkeypatch
 ):
     """KTO keeps no state besides the weights: the KL estimate is rebuilt per micro-batch."""
-    from swiftlm.methods.kto import KTO
+    from swiftlm.methods.preference.kto import KTO
 
     flags = dict(max_steps=4, save_steps=2, per_device_train_batch_size=2, lora_dropout=0)
     flags |= dict(rlhf_type="kto", learning_rate="5e-3", gradient_accumulation_steps=2)

@@ -291,7 +291,7 @@ def test_pipeline_parallel_is_refused_before_the_model_loads(tiny_tokenizer):
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
     from swiftlm.errors import ConfigError
-    from swiftlm.methods.reward_model import RewardModel
+    from swiftlm.methods.preference.reward_model import RewardModel
 
     cfg = from_flat_dict(RLHFConfig, {"rlhf_type": "rm", "pipeline_parallel_size": 2})
     with pytest.raises(ConfigError, match="--pipeline_parallel_size"):
@@ -426,7 +426,7 @@ def test_with_lora_the_score_head_trains_in_float32_beside_the_adapters(tiny_mod
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.methods.reward_model import RewardModel
+    from swiftlm.methods.preference.reward_model import RewardModel
     from swiftlm.models.loader import SEQUENCE_CLASSIFICATION, load_model
     from swiftlm.tuners.setup import apply_tuner
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from swiftlm.errors import ConfigError, DataError
-from swiftlm.methods.rewards import RewardSet, accuracy, answers_match, final_answer
+from swiftlm.methods.rl.rewards import RewardSet, accuracy, answers_match, final_answer
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from swiftlm.config.sections import doc
 from swiftlm.errors import ConfigError
 
 BUILTIN_REWARDS = ("accuracy", "format", "length", "repetition")
-# The names of the reward functions plugins registered (methods.rewards.REWARD_FUNCS).
+# The names of the reward functions plugins registered (methods.rl.rewards.REWARD_FUNCS).
 PLUGIN_REWARD_NAMES: set[str] = set()
 # ms-swift's (and DeepSeek-R1's) reasoning format.
 DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"

@@ -1,7 +1,7 @@
 """What callers and the continuous-batching engine exchange: requests in, token deltas out.
 
 One interface for every caller: `swiftlm infer` (chat and batch), the OpenAI-compatible server
-(`swiftlm deploy`), GRPO's and GKD's rollouts (`methods/rollout.py`) and generation-based
+(`swiftlm deploy`), GRPO's and GKD's rollouts (`methods/rl/rollout.py`) and generation-based
 evaluation. Hence `n` samples per prompt, a per-request seed, and the log-probability of every
 generated token.
 

@@ -1,7 +1,7 @@
 """Build the continuous-batching engine: load the model, its tokenizer and its adapters.
 
 `build_engine` is what `swiftlm deploy` and `swiftlm eval` start from (GRPO's and GKD's
-rollouts run the same engine over the live policy: `methods/rollout.py`);
+rollouts run the same engine over the live policy: `methods/rl/rollout.py`);
 `swiftlm infer` wraps the same engine in `frontend.ChatEngine`. Adapters come in two kinds:
 merged ones (folded into the base weights: as fast as the plain model, they can stack) and
 named ones (kept apart as peft LoRA layers, chosen per request by `GenerationRequest.adapter`,

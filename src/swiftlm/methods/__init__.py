@@ -7,13 +7,13 @@ data each step, state kept across steps, evaluation other than the loss) are the
 members of `methods.base.MethodDefaults`.
 """
 
-from swiftlm.methods.dpo import DPO
-from swiftlm.methods.gkd import GKD
-from swiftlm.methods.grpo import GRPO
-from swiftlm.methods.kto import KTO
+from swiftlm.methods.preference.dpo import DPO
+from swiftlm.methods.preference.kto import KTO
+from swiftlm.methods.preference.reference_free import CPO, ORPO, SimPO
+from swiftlm.methods.preference.reward_model import RewardModel
 from swiftlm.methods.pt import PT
-from swiftlm.methods.reference_free import CPO, ORPO, SimPO
-from swiftlm.methods.reward_model import RewardModel
+from swiftlm.methods.rl.gkd import GKD
+from swiftlm.methods.rl.grpo import GRPO
 from swiftlm.methods.sft import SFT
 
 METHODS = {

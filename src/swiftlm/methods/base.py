@@ -143,7 +143,7 @@ class MethodDefaults:
     """
 
     # What the model is loaded as (models.loader): "sequence_classification" for a reward
-    # model (methods/reward_model.py).
+    # model (methods/preference/reward_model.py).
     model_kind: str = CAUSAL_LM
     # Whether the method trains vision-language models (it takes `vision=VisionInputs`).
     supports_images: bool = False

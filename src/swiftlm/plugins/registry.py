@@ -71,7 +71,7 @@ def register_reward(name: str, reward: Callable, *, replace: bool = False) -> No
     batch as `reward(prompts=, completions=, completion_ids=, **row_columns)` -> one float
     per completion (TRL's convention). A reward that raises stops the run, naming the plugin."""
     from swiftlm.config.sections_online import BUILTIN_REWARDS, PLUGIN_REWARD_NAMES
-    from swiftlm.methods.rewards import REWARD_FUNCS
+    from swiftlm.methods.rl.rewards import REWARD_FUNCS
 
     me = _claim(
         "reward function", name, {**dict.fromkeys(BUILTIN_REWARDS), **REWARD_FUNCS}, replace

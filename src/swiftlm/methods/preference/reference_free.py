@@ -1,6 +1,6 @@
 """`swiftlm rlhf --rlhf_type simpo|orpo|cpo`: preference methods without a reference model.
 
-They read, encode and batch pairs exactly as DPO does (methods/dpo.py) and differ only in the
+They read, encode and batch pairs exactly as DPO does (methods/preference/dpo.py) and differ only in the
 loss, a pure function of the policy's answer log-probs (losses/preference.py), plus a
 negative log-likelihood term on the chosen answers (token mean per pair):
 
@@ -17,7 +17,7 @@ import torch
 
 from swiftlm.losses.preference import cpo_losses, orpo_losses, simpo_losses
 from swiftlm.methods.base import Batch, LossOutput
-from swiftlm.methods.dpo import DPO, answer_logps, pair_metrics, weighted_sums
+from swiftlm.methods.preference.dpo import DPO, answer_logps, pair_metrics, weighted_sums
 
 
 class ReferenceFree(DPO):

@@ -44,7 +44,7 @@ from swiftlm.data.unpaired import unpaired_samples
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.preference import kto_losses
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
-from swiftlm.methods.dpo import answer_logps
+from swiftlm.methods.preference.dpo import answer_logps
 from swiftlm.methods.reference import Reference
 from swiftlm.methods.token import token_pads
 

@@ -28,7 +28,7 @@ from swiftlm.data.rows import RowError, type_name
 from swiftlm.errors import ConfigError
 from swiftlm.losses.reward import bradley_terry_losses
 from swiftlm.methods.base import Batch, Layout, LossOutput
-from swiftlm.methods.dpo import DPO, unwrapped, weighted_sums
+from swiftlm.methods.preference.dpo import DPO, unwrapped, weighted_sums
 from swiftlm.models.loader import SEQUENCE_CLASSIFICATION
 
 PIPELINE_REFUSAL = (

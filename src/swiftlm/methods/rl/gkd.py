@@ -33,14 +33,14 @@ from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels
 from swiftlm.losses.distill import generalized_jsd_loss
 from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
-from swiftlm.methods.online import (
+from swiftlm.methods.reference import load_reference, unwrapped
+from swiftlm.methods.rl.online import (
     SHARDED,
     PromptBatches,
     check_online_layout,
     prompt_ids,
 )
-from swiftlm.methods.reference import load_reference, unwrapped
-from swiftlm.methods.rollout import PolicySampler, completion_rows, rollout_seed, sampling_params
+from swiftlm.methods.rl.rollout import PolicySampler, completion_rows, rollout_seed, sampling_params
 from swiftlm.methods.token import token_pads
 
 METHOD = "swiftlm rlhf --rlhf_type gkd"

@@ -3,7 +3,7 @@ GSPO, RLOO through its flags).
 
 A step: the loop hands over the prompts of the step's micro-batches (`step_batches`); the
 policy samples --num_generations completions per prompt with the serving engine on its live
-weights (methods/rollout.py); the reward functions score them (methods/rewards.py); each
+weights (methods/rl/rollout.py); the reward functions score them (methods/rl/rewards.py); each
 completion's advantage is its reward against its group's (losses/rl.py); the micro-batches
 of completions then go through the loop's usual forward/backward, where `loss` computes the
 clipped surrogate (+ beta x KL to the reference) from the trainer's own log-probs.
@@ -33,17 +33,17 @@ from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
 from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
-from swiftlm.methods.grpo_steps import GenerationBuffer, Rollouts
-from swiftlm.methods.online import (
+from swiftlm.methods.reference import Reference
+from swiftlm.methods.rl.grpo_rollouts import GenerationBuffer, Rollouts
+from swiftlm.methods.rl.online import (
     SHARDED,
     PromptBatches,
     check_online_layout,
     prompt_ids,
     sharded_by_fsdp2,
 )
-from swiftlm.methods.reference import Reference
-from swiftlm.methods.rewards import RewardSet
-from swiftlm.methods.rollout import PolicySampler
+from swiftlm.methods.rl.rewards import RewardSet
+from swiftlm.methods.rl.rollout import PolicySampler
 from swiftlm.methods.token import token_pads
 
 

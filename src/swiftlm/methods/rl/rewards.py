@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swiftlm.errors import DataError
-from swiftlm.methods.reward_calls import CallResult, UserReward
+from swiftlm.methods.rl.reward_calls import CallResult, UserReward
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
 _ANSWER = re.compile(r"answer(?:\s+is)?\s*[:=]?\s*(.+)", re.IGNORECASE)

@@ -19,7 +19,7 @@ import torch
 
 from swiftlm.engine.protocol import GenerationRequest
 from swiftlm.losses.rl import group_advantages, reduce_tokens
-from swiftlm.methods.rollout import completion_rows, rollout_seed, sampling_params
+from swiftlm.methods.rl.rollout import completion_rows, rollout_seed, sampling_params
 
 
 class GenerationBuffer:
