@@ -9,14 +9,8 @@ import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from swiftlm.distributed.compression import (
-    CommStats,
-    CompressionCheckpoint,
-    HookState,
-    PowerSGDCountingState,
-    TopKState,
-)
-from swiftlm.distributed.compression_state import PowerSGDLayouts
+from swiftlm.distributed.compression import CommStats, HookState, PowerSGDCountingState, TopKState
+from swiftlm.distributed.compression_checkpoint import CompressionCheckpoint, PowerSGDLayouts
 
 
 def named_params(seed: int = 0) -> dict[str, torch.nn.Parameter]:

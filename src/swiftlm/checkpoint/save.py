@@ -76,8 +76,9 @@ def load_checkpoint(folder: Path, strategy, model, optimizer, log=print) -> dict
 
 def strategy_rank_states(strategy) -> list:
     """State a strategy carries between steps outside the model and optimizer, different on
-    each rank: DDP gradient compression's residuals (`distributed.compression`). Each has a
-    `state_name`, `state_dict()` and `load_state_dict(saved or None) -> note or None`."""
+    each rank: DDP gradient compression's residuals (`distributed.compression_checkpoint`).
+    Each has a `state_name`, `state_dict()` and `load_state_dict(saved or None) -> note or
+    None`."""
     stats = getattr(strategy, "comm_stats", None)
     kept = getattr(stats, "checkpoint", None)
     return [kept] if kept is not None else []

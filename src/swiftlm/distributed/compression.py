@@ -11,7 +11,7 @@
   (values and int16 positions, exchanged with all-gather). The entries it drops are kept as a
   residual and added to the next step's gradient (error feedback), so no gradient mass is
   lost, only late. The residuals (and PowerSGD's state) are saved with each checkpoint
-  (`CompressionCheckpoint`, `compression_state`), so a compressed run resumes exactly.
+  (`compression_checkpoint`), so a compressed run resumes exactly.
 
 Every hook adds to a `CommStats`: the bytes each rank sends per optimizer step under the
 textbook ring algorithms (all-reduce: 2(n-1)/n x payload; all-gather: (n-1) x payload), next
@@ -31,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed.comm_timing import CommTimer, timed
-from swiftlm.distributed.compression_state import PowerSGDLayouts
+from swiftlm.distributed.compression_checkpoint import CompressionCheckpoint, PowerSGDLayouts
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 # Top-k sends each kept entry as an fp16 value and an int16 position inside its block of
@@ -70,7 +70,7 @@ class CommStats:
     total_dense: int = 0
     total_steps: int = 0
     timer: CommTimer = field(default_factory=CommTimer)  # when each bucket's collective ran
-    checkpoint: "CompressionCheckpoint | None" = None  # its state, saved with each checkpoint
+    checkpoint: CompressionCheckpoint | None = None  # its state, saved with each checkpoint
 
     def add(self, sent: int, dense: int, ends_step: bool) -> None:
         """Count one bucket; `ends_step` marks the step's last bucket (DDP's `is_last`)."""
@@ -344,51 +344,3 @@ def _named_parameters(ddp_model) -> dict[str, torch.nn.Parameter]:
     """The wrapped model's parameters by name: how checkpoints key each rank's state."""
     module = getattr(ddp_model, "module", None)
     return dict(module.named_parameters()) if module is not None else {}
-
-
-class CompressionCheckpoint:
-    """What --grad_compression carries from step to step, as each rank's checkpoint state
-    (`checkpoint.save` writes it as rank_state/compression-rank{r}): top-k's residuals,
-    PowerSGD's errors, Q factors, counter and generator (`compression_state`)."""
-
-    state_name = "compression"
-
-    def __init__(self, method: str, hook_state: HookState, params: dict[str, torch.nn.Parameter]):
-        self.method, self.hook_state = method, hook_state
-        self.params = {id(p): p for p in params.values()}
-        self.names = {id(p): name for name, p in params.items()}
-        self.ids = {name: id(p) for name, p in params.items()}
-
-    def state_dict(self) -> dict:
-        state: dict = {"method": self.method}
-        if isinstance(self.hook_state, TopKState):
-            residuals = self.hook_state.residuals.items()
-            state["residuals"] = {self.names[i]: r for i, r in residuals}
-        elif isinstance(self.hook_state, PowerSGDCountingState):
-            state["powersgd"] = self.hook_state.layouts.state_dict(self.names)
-        return state
-
-    def load_state_dict(self, saved: dict | None) -> str | None:
-        """Restore the saved state; a note for the log when it cannot be (None: restored, or
-        nothing to restore). A stateless method (none, fp16, bf16) carries nothing."""
-        stateful = ("topk", "powersgd")
-        was = saved["method"] if saved else None
-        if was != self.method:
-            if was in stateful:
-                return (
-                    f"the checkpoint's --grad_compression {was} state (the gradient not sent "
-                    f"yet) is dropped: this run uses --grad_compression {self.method}"
-                )
-            if self.method in stateful:
-                why = f"saved with --grad_compression {was}" if was else "none for this rank"
-                return f"--grad_compression {self.method} starts with an empty state ({why})"
-            return None
-        if isinstance(self.hook_state, TopKState):
-            self.hook_state.residuals = {
-                self.ids[name]: r.to(self.params[self.ids[name]].device)
-                for name, r in saved["residuals"].items()
-                if name in self.ids
-            }
-        elif isinstance(self.hook_state, PowerSGDCountingState):
-            self.hook_state.layouts.load_state_dict(saved["powersgd"], self.ids)
-        return None

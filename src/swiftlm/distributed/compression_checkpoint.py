@@ -4,7 +4,8 @@ Top-k keeps a residual per parameter (what it has not sent yet); PowerSGD keeps,
 bucket, an error-feedback buffer and the warm-started Q factors of the matrices it
 compresses, plus an iteration counter and the numpy generator that draws new Q's. Each rank
 saves its own (`compression-rank{r}` in the checkpoint's rank_state/, safetensors + JSON),
-keyed by parameter name.
+keyed by parameter name: `CompressionCheckpoint` is that per-rank state object, and the
+compressors themselves (`compression`) only carry the state from step to step.
 
 Why per parameter for PowerSGD too: DDP's buckets are a layout, not an identity. A new DDP
 (the resumed run) starts with buckets in reverse parameter order and rebuilds them after its
@@ -124,3 +125,72 @@ class PowerSGDLayouts:
         ps.error_dict.clear(), ps.p_memory_dict.clear(), ps.q_memory_dict.clear()
         self.layouts.clear()
         self.loose = {ids[name]: dict(s) for name, s in state["params"].items() if name in ids}
+
+
+# ---- the per-rank checkpoint state ---------------------------------------------------------
+
+# The methods that carry something from step to step; none, fp16 and bf16 carry nothing.
+STATEFUL = ("topk", "powersgd")
+
+
+class CompressionCheckpoint:
+    """What --grad_compression carries from step to step, as each rank's checkpoint state
+    (`checkpoint.save` writes it as rank_state/compression-rank{r}): top-k's residuals,
+    PowerSGD's errors, Q factors, counter and generator.
+
+    `hook_state` is the state `compression.register_compression` built for `method` (a
+    `TopKState` for topk, a `PowerSGDCountingState` for powersgd): the method says which, so
+    this module needs nothing from the hooks' module, which builds it.
+    """
+
+    state_name = "compression"
+
+    def __init__(self, method: str, hook_state, params: dict[str, torch.nn.Parameter]):
+        self.method, self.hook_state = method, hook_state
+        self.params = {id(p): p for p in params.values()}
+        self.names = {id(p): name for name, p in params.items()}
+        self.ids = {name: id(p) for name, p in params.items()}
+
+    def state_dict(self) -> dict:
+        state: dict = {"method": self.method}
+        if self.method == "topk":
+            residuals = self.hook_state.residuals.items()
+            state["residuals"] = {self.names[i]: r for i, r in residuals}
+        elif self.method == "powersgd":
+            state["powersgd"] = self.hook_state.layouts.state_dict(self.names)
+        return state
+
+    def load_state_dict(self, saved: dict | None) -> str | None:
+        """Restore the saved state; a note for the log when it cannot be (None: restored, or
+        nothing to restore). A stateless method (none, fp16, bf16) carries nothing."""
+        was = saved["method"] if saved else None
+        if was != self.method:
+            return _other_method_note(was, self.method)
+        if self.method == "topk":
+            self.hook_state.residuals = self._residuals_here(saved["residuals"])
+        elif self.method == "powersgd":
+            self.hook_state.layouts.load_state_dict(saved["powersgd"], self.ids)
+        return None
+
+    def _residuals_here(self, saved: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Saved residuals by name -> by this run's parameter objects, on their devices;
+        names this model lacks are dropped."""
+        return {
+            self.ids[name]: r.to(self.params[self.ids[name]].device)
+            for name, r in saved.items()
+            if name in self.ids
+        }
+
+
+def _other_method_note(was: str | None, now: str) -> str | None:
+    """What happens to the saved state when the resumed run compresses otherwise (`was` is
+    None when this rank saved none); None when neither method carries state."""
+    if was in STATEFUL:
+        return (
+            f"the checkpoint's --grad_compression {was} state (the gradient not sent "
+            f"yet) is dropped: this run uses --grad_compression {now}"
+        )
+    if now in STATEFUL:
+        why = f"saved with --grad_compression {was}" if was else "none for this rank"
+        return f"--grad_compression {now} starts with an empty state ({why})"
+    return None
