@@ -22,6 +22,7 @@ from generated_page import write_or_check
 import swiftlm.config as config_module
 from swiftlm.cli.main import COMMANDS
 from swiftlm.config.parse import section_types
+from swiftlm.config.sections import flag_type
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 
@@ -122,7 +123,7 @@ def render() -> str:
         ]
         for name, (f, commands) in flags.items():
             taken = "all" if commands == every else ", ".join(commands)
-            values = f"{_values(f.type)} ({_default(f)})".replace("|", "&#124;")
+            values = f"{_values(flag_type(f))} ({_default(f)})".replace("|", "&#124;")
             lines.append(
                 f"| `--{name}` | {values} | {taken} | {_text(f.metadata.get('help', ''))} |"
             )

@@ -11,7 +11,7 @@ import pytest
 def _registries() -> list:
     from swiftlm.config.sections_online import PLUGIN_REWARD_NAMES
     from swiftlm.data.row_formats import ROW_FORMATS
-    from swiftlm.eval.task_file import BUILTIN_TASKS
+    from swiftlm.evaluation.task_file import BUILTIN_TASKS
     from swiftlm.losses.causal_lm import TOKEN_LOSSES
     from swiftlm.methods import METHODS
     from swiftlm.methods.rl.rewards import REWARD_FUNCS
@@ -35,8 +35,6 @@ def fresh_registries(entry_points_done: bool = True):
 
     saved = [copy.copy(registry) for registry in _registries()]
     was_done = loading._entry_points_done
-    rlhf_field = sections_rlhf.RLHFArguments.__dataclass_fields__["rlhf_type"]
-    rlhf_tables = (sections_rlhf.RLHF_TYPES, rlhf_field.type)
     rlhf_dicts = [(d, dict(d)) for d in (sections_rlhf.LOSS_TYPES, sections_rlhf.DEFAULT_BETA)]
     loading._entry_points_done = entry_points_done  # the test environment's own: none
     try:
@@ -49,7 +47,6 @@ def fresh_registries(entry_points_done: bool = True):
                 registry.clear()
                 registry.update(before)
         loading._entry_points_done = was_done
-        sections_rlhf.RLHF_TYPES, rlhf_field.type = rlhf_tables
         for table, before in rlhf_dicts:
             table.clear()
             table.update(before)

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from plugin_isolation import fresh_registries
+from swiftlm.config.sections import flag_type
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -171,7 +172,7 @@ def _field_types(command: str) -> dict[str, type]:
 
     config_cls = getattr(config_module, COMMANDS[command][0])
     return {
-        f.name: f.type
+        f.name: flag_type(f)
         for cls in section_types(config_cls).values()
         for f in dataclasses.fields(cls)
     }

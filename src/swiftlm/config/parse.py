@@ -18,7 +18,7 @@ import yaml
 
 from swiftlm.config.argv import ALIASES, auto_to_number, merge_repeated_flags, normalize_flag
 from swiftlm.config.ms_swift import print_notes, translate_argv, translate_mapping, unsupported_hint
-from swiftlm.config.sections import AUTO_BATCH_SIZE
+from swiftlm.config.sections import AUTO_BATCH_SIZE, flag_type
 from swiftlm.errors import ConfigError
 
 C = TypeVar("C")
@@ -172,7 +172,9 @@ def _visible_section(cls: type, name: str, unused: frozenset) -> type:
             if f.default_factory is not dataclasses.MISSING
             else {"default": f.default}
         )
-        kept.append((f.name, f.type, dataclasses.field(metadata=f.metadata, **default)))
+        # The registry's choices as of now, in this copy only (the section keeps `str`).
+        metadata = {k: v for k, v in f.metadata.items() if k != "choices_from"}
+        kept.append((f.name, flag_type(f), dataclasses.field(metadata=metadata, **default)))
     visible = dataclasses.make_dataclass(cls.__name__, kept)
     visible._argument_group_name = f"{name} flags"  # HfArgumentParser: one --help group each
     return visible

@@ -36,9 +36,19 @@ def _known_loggers(names: list[str]) -> bool:
     return names == ["none"] or all(name in LOGGERS for name in names)
 
 
-def doc(text: str, **kwargs):
-    """A dataclass field whose `help` documents the flag."""
-    return field(metadata={"help": text}, **kwargs)
+def doc(text: str, choices_from=None, **kwargs):
+    """A dataclass field whose `help` documents the flag. `choices_from`: a function giving
+    the flag's choices when a parser or form is built (a registry that plugins add to),
+    for a `str` field whose choices are not fixed in its type (see `flag_type`)."""
+    metadata = {"help": text, **({"choices_from": choices_from} if choices_from else {})}
+    return field(metadata=metadata, **kwargs)
+
+
+def flag_type(f) -> object:
+    """A section field's type as its flag takes it: `Literal[choices]` for a field whose
+    choices come from a registry (`doc(choices_from=...)`), read now; else the field's own."""
+    choices_from = f.metadata.get("choices_from")
+    return Literal[tuple(choices_from())] if choices_from else f.type
 
 
 @dataclass

@@ -4,7 +4,6 @@ is its `--help` text, the section checks its own fields when built.
 """
 
 from dataclasses import dataclass
-from typing import Literal
 
 from swiftlm.config.checks import above, at_least, check_fields, within
 from swiftlm.config.sections import doc
@@ -19,9 +18,9 @@ DPO_LOSS_TYPES = (
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # losses.rl.GRPO_LOSS_TYPES (tested)
 
-RLHF_TYPES = ("dpo", "simpo", "orpo", "cpo", "kto", "rm", "grpo", "gkd")
-# Per method: the loss types it accepts (the first is its default; empty: --loss_type is not
-# read) and its default beta (None: --beta is not read).
+# Per method (a registry: a plugin's method adds its row, plugins.register_method): the loss
+# types it accepts (the first is its default; empty: --loss_type is not read) and its
+# default beta (None: --beta is not read).
 LOSS_TYPES: dict[str, tuple[str, ...]] = {
     "dpo": DPO_LOSS_TYPES,
     "simpo": ("sigmoid",),
@@ -39,15 +38,21 @@ DEFAULT_BETA: dict[str, float | None] = {
 }  # fmt: skip
 
 
+def rlhf_types() -> tuple[str, ...]:
+    """The methods `--rlhf_type` takes: the built-ins, then the plugins' in registration order."""
+    return tuple(LOSS_TYPES)
+
+
 @dataclass
 class RLHFArguments:
-    rlhf_type: Literal["dpo", "simpo", "orpo", "cpo", "kto", "rm", "grpo", "gkd"] = doc(
+    rlhf_type: str = doc(
         "Method. dpo: preference pairs against a reference model (the base with the LoRA "
         "adapter disabled, or a frozen copy with full fine-tuning); simpo, orpo, cpo: pairs "
         "without one; kto: unpaired answers labelled good or bad; rm: a reward model (value "
         "head, Bradley-Terry); grpo: RL from reward functions on the model's own samples; gkd: "
         "on-policy distillation from --teacher_model.",
         default="dpo",
+        choices_from=lambda: rlhf_types(),
     )
     beta: float | None = doc(
         "dpo/kto/cpo/orpo/simpo: strength of the preference term; grpo: weight of the KL to "
@@ -110,8 +115,8 @@ class RLHFArguments:
     def __post_init__(self):
         # The effective values are what config.yaml records and the run prints.
         kind = self.rlhf_type
-        if kind not in RLHF_TYPES:  # a saved or YAML config is not checked by argparse
-            raise ConfigError(f"--rlhf_type {kind}: choose one of {', '.join(RLHF_TYPES)}")
+        if kind not in LOSS_TYPES:  # a saved or YAML config is not checked by argparse
+            raise ConfigError(f"--rlhf_type {kind}: choose one of {', '.join(rlhf_types())}")
         if self.beta is None:
             self.beta = DEFAULT_BETA[kind]
         self.loss_type = _one_or_several(self.loss_type)

@@ -119,18 +119,12 @@ def register_method(
 
 
 def _add_rlhf_type(name: str, loss_types: tuple[str, ...], beta: float | None) -> None:
-    """Make `name` a choice of `--rlhf_type`: the section's tables and its flag's choices
-    (argparse reads them from the field's Literal type when a parser is built)."""
-    from typing import Literal
-
+    """Make `name` a choice of `--rlhf_type`: a row of the section's method tables, which
+    the flag's choices are read from when a parser or form is built."""
     from swiftlm.config import sections_rlhf
 
-    if name not in sections_rlhf.RLHF_TYPES:
-        sections_rlhf.RLHF_TYPES = (*sections_rlhf.RLHF_TYPES, name)
     sections_rlhf.LOSS_TYPES[name] = loss_types
     sections_rlhf.DEFAULT_BETA[name] = beta
-    field = sections_rlhf.RLHFArguments.__dataclass_fields__["rlhf_type"]
-    field.type = Literal[sections_rlhf.RLHF_TYPES]
 
 
 def register_chat_template(model_type: str, template: str, *, replace: bool = False) -> None:
@@ -173,8 +167,8 @@ def register_tool_parser(
 
 def register_eval_task(name: str, build: Callable, *, replace: bool = False) -> None:
     """An evaluation task for `swiftlm eval --eval_dataset NAME`: `build(placeholders)` ->
-    an `eval.tasks.Task` (`placeholders` fills {{NAME}}/{{AUTHOR}} in its texts)."""
-    from swiftlm.eval.task_file import BUILTIN_TASKS
+    an `evaluation.tasks.Task` (`placeholders` fills {{NAME}}/{{AUTHOR}} in its texts)."""
+    from swiftlm.evaluation.task_file import BUILTIN_TASKS
 
     me = _claim("eval task", name, BUILTIN_TASKS, replace)
     check_callable(build, f"eval task {name!r}", me, "placeholders")

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import swiftlm.config as config_module
 from swiftlm.config import rules
 from swiftlm.config.parse import parse_config, section_types
+from swiftlm.config.sections import flag_type
 from swiftlm.data.sources import (
     BUILTIN_DATASETS,
     SUPPORTED_EXTENSIONS,
@@ -97,7 +98,7 @@ def as_text(value: Any) -> str:
 
 def field_spec(f: dataclasses.Field) -> dict:
     """What the page needs to draw one flag's input."""
-    annotation, optional = _unwrap_optional(f.type)
+    annotation, optional = _unwrap_optional(flag_type(f))
     origin = typing.get_origin(annotation)
     spec = {
         "name": f.name,
@@ -167,7 +168,7 @@ def build_argv(command: str, values: dict[str, str]) -> list[str]:
             continue
         text = str(values[name]).strip()
         default = _default(f)
-        if typing.get_origin(_unwrap_optional(f.type)[0]) is list:
+        if typing.get_origin(_unwrap_optional(flag_type(f))[0]) is list:
             try:
                 items = shlex.split(text)
             except ValueError as exc:  # an unclosed quote
@@ -176,7 +177,7 @@ def build_argv(command: str, values: dict[str, str]) -> list[str]:
                 argv += [f"--{name}", *items]
         elif text == "" and default is None:
             continue
-        elif _typed(text, f.type) != default:
+        elif _typed(text, flag_type(f)) != default:
             argv += [f"--{name}", text]
     return argv
 
