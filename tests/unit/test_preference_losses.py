@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from swiftlm.losses.preference import (
-    CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
-    KTO_LOSS_TYPES,
     RunningMean,
     bco_batch_reward,
     cpo_losses,
@@ -303,14 +301,6 @@ def test_other_losses_gradients_flow():
     x = torch.tensor([-1e-6, -60.0], requires_grad=True)
     orpo_losses(x, torch.tensor([-2.0, -1.0]), beta=0.1).sum().backward()
     assert torch.isfinite(x.grad).all()
-
-
-def test_the_loss_type_flag_offers_exactly_the_implemented_losses():
-    from swiftlm.config import sections_rlhf
-
-    assert sections_rlhf.DPO_LOSS_TYPES == DPO_LOSS_TYPES
-    assert sections_rlhf.LOSS_TYPES["cpo"] == CPO_LOSS_TYPES
-    assert sections_rlhf.LOSS_TYPES["kto"] == KTO_LOSS_TYPES
 
 
 @pytest.mark.numerics

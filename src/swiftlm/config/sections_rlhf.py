@@ -9,14 +9,14 @@ from swiftlm.config.checks import above, at_least, check_fields, within
 from swiftlm.config.sections import doc
 from swiftlm.errors import ConfigError
 
-CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # losses.preference.CPO_LOSS_TYPES (tested)
-# The DPO loss types of losses.preference.DPO_LOSS_TYPES (a test keeps the two equal).
+# The loss types each method implements (losses.preference, losses.rl import them from here).
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "sppo_hard", "aot",
     "aot_pair", "apo_zero", "apo_down", "discopop", "bco_pair",
 )  # fmt: skip
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # losses.rl.GRPO_LOSS_TYPES (tested)
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 # Per method (a registry: a plugin's method adds its row, plugins.register_method): the loss
 # types it accepts (the first is its default; empty: --loss_type is not read) and its

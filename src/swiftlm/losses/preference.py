@@ -13,23 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "robust",
-    "exo_pair",
-    "nca_pair",
-    "sppo_hard",
-    "aot",
-    "aot_pair",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "bco_pair",
-)
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
-CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+# The loss types `--loss_type` offers, defined once with the flag.
+from swiftlm.config.sections_rlhf import CPO_LOSS_TYPES, DPO_LOSS_TYPES, KTO_LOSS_TYPES
 
 # exo_pair takes log(eps) of the label smoothing; TRL uses 1e-3 when it is 0.
 _EXO_DEFAULT_EPSILON = 1e-3
