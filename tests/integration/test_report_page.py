@@ -9,9 +9,9 @@ import pytest
 from cdp_helpers import Browser, chromium_path
 
 from report_runs import STEPS, train_row, write_jsonl, write_run
-from swiftlm.monitor.dashboard import Dashboard
-from swiftlm.monitor.report import write_report
-from swiftlm.monitor.report_cards import PLOTS
+from swiftlm.report.cards import PLOTS
+from swiftlm.report.dashboard import Dashboard
+from swiftlm.report.run import write_report
 
 # Any host name that reaches the resolver fails: a page that tried the network would error.
 OFFLINE = ("--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",)

@@ -14,10 +14,10 @@ import pytest
 from report_runs import PHASES, SPIKE_STEP, STEPS, eval_row, train_row, write_jsonl, write_run
 from swiftlm.cli.main import main
 from swiftlm.errors import ConfigError
-from swiftlm.monitor.dashboard import Dashboard
-from swiftlm.monitor.report import write_report
-from swiftlm.monitor.report_cards import PLOTS, build_cards
-from swiftlm.monitor.run_data import load_run
+from swiftlm.report.cards import PLOTS, build_cards
+from swiftlm.report.dashboard import Dashboard
+from swiftlm.report.run import write_report
+from swiftlm.report.run_data import load_run
 
 FULL_MARKERS = {
     *PLOTS,
@@ -240,7 +240,7 @@ def test_cards_are_stable_between_builds(run):
 
 
 def test_the_live_view_thins_long_curves_and_keeps_the_last_step():
-    from swiftlm.monitor.run_data import thin
+    from swiftlm.report.run_data import thin
 
     rows = [{"step": s} for s in range(1, 5002)]
     kept = thin(rows, 2000)

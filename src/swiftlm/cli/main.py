@@ -53,7 +53,7 @@ COMMANDS = {
     ),
     "report": (
         "ReportConfig",
-        "swiftlm.monitor.report",
+        "swiftlm.report.run",
         "Draw run directories as one offline report.html (several overlay); --serve: live.",
     ),
     "web": (

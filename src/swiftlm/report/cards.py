@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from swiftlm.monitor import report_figures as figs
-from swiftlm.monitor.report_tables import (
+from swiftlm.report import figures as figs
+from swiftlm.report.run_data import RunData, is_eval_key, is_number
+from swiftlm.report.tables import (
     anomalies_table,
     config_table,
     data_health_tables,
     histograms_in,
     summary_table,
 )
-from swiftlm.monitor.run_data import RunData, is_eval_key, is_number
 
 MISSING = "not recorded in this run"
 

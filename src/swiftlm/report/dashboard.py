@@ -19,9 +19,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from swiftlm.errors import ConfigError, SwiftLMError
-from swiftlm.monitor.report_cards import build_cards
-from swiftlm.monitor.report_page import render_page
-from swiftlm.monitor.run_data import check_run_dir, load_run, thin, version
+from swiftlm.report.cards import build_cards
+from swiftlm.report.page import render_page
+from swiftlm.report.run_data import check_run_dir, load_run, thin, version
 
 POLL_MS = 1000  # a logged step shows within about a second (the promise is 5 s)
 LIVE_ROWS = 2000  # points per curve on the live page

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from swiftlm.monitor.run_data import RunData, finite, is_number
 from swiftlm.monitor.step_time import PHASES as STEP_PHASES
+from swiftlm.report.run_data import RunData, finite, is_number
 
 # The step-time phases in the order a step runs them (step_time.PHASES); stacked bottom to
 # top, with what no phase covered on top.

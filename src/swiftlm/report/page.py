@@ -10,7 +10,7 @@ import html
 import json
 import time
 
-from swiftlm.monitor.report_cards import GROUPS, Card, figures_json
+from swiftlm.report.cards import GROUPS, Card, figures_json
 
 STYLE = """
 * { box-sizing: border-box; }

@@ -1,7 +1,7 @@
 """`swiftlm report RUN_DIR [RUN_DIR ...]`: a run, or several overlaid, as one offline HTML page.
 
 `write_report` reads each run directory (`run_data.py`), turns it into cards of plots and
-tables (`report_cards.py`) and writes one self-contained page (`report_page.py`): plotly.js
+tables (`cards.py`) and writes one self-contained page (`page.py`): plotly.js
 is inlined, so the file opens anywhere without a network. `--serve` then keeps the page live
 with the `Dashboard` of the first run directory until Ctrl-C.
 """
@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from swiftlm.errors import ConfigError
-from swiftlm.monitor.report_cards import build_cards
-from swiftlm.monitor.report_page import render_page
-from swiftlm.monitor.run_data import RunData, load_run, unique_names
+from swiftlm.report.cards import build_cards
+from swiftlm.report.page import render_page
+from swiftlm.report.run_data import RunData, load_run, unique_names
 
 REPORT_NAME = "report.html"
 
@@ -62,7 +62,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
 
 def serve_until_interrupted(run_dir: Path, port: int, host: str) -> None:
     """The live dashboard of `run_dir` in the foreground, until Ctrl-C."""
-    from swiftlm.monitor.dashboard import Dashboard
+    from swiftlm.report.dashboard import Dashboard
 
     dashboard = Dashboard(run_dir, port=port, host=host, flag="--port")
     url = dashboard.start()

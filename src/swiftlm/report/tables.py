@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from swiftlm.monitor.metrics import SUMMARY_LABELS
-from swiftlm.monitor.run_data import RunData, is_number
+from swiftlm.report.run_data import RunData, is_number
 
 
 def cell(value: Any) -> str:

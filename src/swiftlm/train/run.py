@@ -21,12 +21,12 @@ from swiftlm.methods import METHODS
 from swiftlm.methods.base import complete_method
 from swiftlm.models.loader import pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
-from swiftlm.monitor.dashboard import Dashboard
 from swiftlm.monitor.loggers import check_loggers_installed
 from swiftlm.monitor.metrics import format_summary, write_summary
 from swiftlm.monitor.mfu import flops_per_token, peak_flops
 from swiftlm.monitor.oom import oom_guard
-from swiftlm.monitor.report import write_report
+from swiftlm.report.dashboard import Dashboard
+from swiftlm.report.run import write_report
 from swiftlm.train.batching import describe_plan
 from swiftlm.train.evaluation import BestCheckpoint, build_generation_evaluator
 from swiftlm.train.loop import TrainingJob, run_training

@@ -102,11 +102,11 @@ def add_run_routes(router, registry: Registry) -> None:
 
 def add_dashboard_routes(router, registry: Registry) -> None:
     """The live dashboard of `swiftlm report --serve`, one per run, under /runs/<name>/dashboard/:
-    the same page and `data?since=` polling (monitor.dashboard), served by this app."""
+    the same page and `data?since=` polling (report.dashboard), served by this app."""
     from fastapi.responses import HTMLResponse, Response
 
-    from swiftlm.monitor.dashboard import POLL_MS, RunView
-    from swiftlm.monitor.report_page import render_page
+    from swiftlm.report.dashboard import POLL_MS, RunView
+    from swiftlm.report.page import render_page
 
     views: dict[str, RunView] = {}
 
