@@ -12,7 +12,8 @@ import torch
 
 from conftest import logged, tiny_sft, write_jsonl
 from swiftlm.cli.main import main
-from swiftlm.distributed.pp_stage import fixed_shape_batches, stage_bounds
+from swiftlm.distributed.pp import fixed_shape_batches
+from swiftlm.distributed.pp_stage import stage_bounds
 from tolerance import assert_same_training, assert_same_weights
 
 FULL, ADAPTER = "model.safetensors", "adapter_model.safetensors"

@@ -8,8 +8,9 @@ FSDP2, which the schedule drives itself (`parallelize` wraps the stage like a wh
 
 The schedule owns forward and backward, so the loop hands it the whole step
 (`pipeline_step`); the last stage computes each micro-batch's loss with the method's
-`pipeline_loss` and scales it by the loop's normalization. Stages exchange fixed shapes:
-every step is padded to gradient_accumulation_steps micro-batches of
+`pipeline_loss` and scales it by the loop's normalization. Stages exchange fixed shapes,
+which the schedule infers once, at its first step: every step is padded
+(`fixed_shape_batches`) to gradient_accumulation_steps micro-batches of
 per_device_train_batch_size rows of --max_length tokens. Plain decoder stacks
 (Llama/Qwen2/Mistral-style) with untied embeddings; full fine-tuning or LoRA.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from swiftlm.checkpoint import stages
@@ -30,8 +32,41 @@ from swiftlm.distributed.env import DistContext, collective_device
 from swiftlm.distributed.fsdp2 import reshard
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize
-from swiftlm.distributed.pp_stage import build_stage, fixed_shape_batches
+from swiftlm.distributed.pp_stage import build_stage
 from swiftlm.errors import CheckpointError
+
+# ---- the step's micro-batches ---------------------------------------------------------------
+
+
+def fixed_shape_batches(
+    batches: list[dict], pads: dict, rows: int, width: int, count: int
+) -> list[dict]:
+    """`count` micro-batches of `rows` x `width` tokens: the shapes every stage expects.
+
+    Every token tensor (named in `pads`) is padded with its pad value to `width` columns and
+    `rows` rows; a short step gets fully padded micro-batches, which carry no labels.
+    """
+    if len(batches) > count or any(b["input_ids"].shape[0] > rows for b in batches):
+        raise ValueError(f"a pipeline step holds at most {count} micro-batches of {rows} rows")
+    template = batches[0]
+    filler = {key: value[:0] for key, value in template.items()}  # no rows: all padding
+    out = []
+    for batch in [*batches, *[filler] * (count - len(batches))]:
+        padded = dict(batch)
+        for key, value in pads.items():
+            if key in batch:
+                padded[key] = _pad_to(batch[key], rows, width, value)
+        out.append(padded)
+    return out
+
+
+def _pad_to(tensor: torch.Tensor, rows: int, width: int, value) -> torch.Tensor:
+    if tensor.shape[1] > width:
+        raise ValueError(f"a micro-batch of {tensor.shape[1]} tokens exceeds --max_length {width}")
+    return F.pad(tensor, (0, width - tensor.shape[1], 0, rows - tensor.shape[0]), value=value)
+
+
+# ---- the schedule's loss --------------------------------------------------------------------
 
 
 class StepLoss:
@@ -54,6 +89,9 @@ class StepLoss:
 
     def total(self) -> float:
         return float(sum(self.loss_sums.values()))
+
+
+# ---- the strategy ---------------------------------------------------------------------------
 
 
 class PipelineParallelStrategy:

@@ -1,13 +1,13 @@
-"""Pipeline stages of a causal LM, and the fixed-shape micro-batches they exchange.
+"""Pipeline stages of a causal LM: which blocks each rank holds, and the module holding them.
 
 Each stage holds a contiguous run of decoder blocks, the first also the embeddings, the last
 the final norm and LM head. A stage is built from the model the tuner produced (a peft
 model's blocks carry their adapters), so its parameters are the model's own objects and
-`names` maps them back to the model's parameter names for saving.
+`names` maps them back to the model's parameter names for saving. How the stages are
+scheduled, fed and saved is the strategy's (pp.py).
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from swiftlm.errors import ConfigError
@@ -73,31 +73,3 @@ def build_stage(model, index: int, stages: int) -> tuple[DecoderStage, dict[str,
     stage = DecoderStage(causal_lm, start, end, first=index == 0, last=index == stages - 1)
     full_names = {id(p): name for name, p in model.named_parameters()}
     return stage, {name: full_names[id(p)] for name, p in stage.named_parameters()}
-
-
-def fixed_shape_batches(
-    batches: list[dict], pads: dict, rows: int, width: int, count: int
-) -> list[dict]:
-    """`count` micro-batches of `rows` x `width` tokens: the shapes every stage expects.
-
-    Every token tensor (named in `pads`) is padded with its pad value to `width` columns and
-    `rows` rows; a short step gets fully padded micro-batches, which carry no labels.
-    """
-    if len(batches) > count or any(b["input_ids"].shape[0] > rows for b in batches):
-        raise ValueError(f"a pipeline step holds at most {count} micro-batches of {rows} rows")
-    template = batches[0]
-    filler = {key: value[:0] for key, value in template.items()}  # no rows: all padding
-    out = []
-    for batch in [*batches, *[filler] * (count - len(batches))]:
-        padded = dict(batch)
-        for key, value in pads.items():
-            if key in batch:
-                padded[key] = _pad_to(batch[key], rows, width, value)
-        out.append(padded)
-    return out
-
-
-def _pad_to(tensor: torch.Tensor, rows: int, width: int, value) -> torch.Tensor:
-    if tensor.shape[1] > width:
-        raise ValueError(f"a micro-batch of {tensor.shape[1]} tokens exceeds --max_length {width}")
-    return F.pad(tensor, (0, width - tensor.shape[1], 0, rows - tensor.shape[0]), value=value)
