@@ -13,6 +13,9 @@ from swiftlm.errors import Preempted, SwiftLMError
 from swiftlm.plugins import load_plugins
 from swiftlm.plugins.loading import plugin_files
 
+# The commands that start their own processes under torchrun when their flags ask for more
+# than one (--nproc_per_node, --nnodes ...); the others run in this process.
+LAUNCHING_COMMANDS = frozenset({"sft", "pt", "rlhf"})
 # subcommand -> (config class path, module with run(cfg), one-line description). A training
 # command (TrainConfig) is a method of `swiftlm.methods.METHODS`, run as run(cfg, name).
 COMMANDS = {
@@ -30,7 +33,7 @@ COMMANDS = {
     ),
     "eval": (
         "EvalConfig",
-        "swiftlm.evaluate.run",
+        "swiftlm.evaluation.run",
         "Evaluate a model, run or served endpoint on tasks (swiftlm/quick, files, lm-eval), "
         "with confidence intervals; --compare A B: the paired difference.",
     ),
@@ -166,12 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything imports torchao or bitsandbytes, in the process that only launches
         # the workers too: their import-time warnings stay off the user's terminal.
         quiet_libraries()
-        dist_args = getattr(cfg, "dist", None)
-        if dist_args is not None and wants_launch(dist_args):
+        if name in LAUNCHING_COMMANDS and wants_launch(cfg.dist):
             from swiftlm.plan.auto import resolve_auto_strategy  # --strategy auto: plan once
 
             argv = resolve_auto_strategy(cfg, name, argv)
-            return launch(dist_args, name, argv, cfg.output.output_dir)
+            return launch(cfg.dist, name, argv, cfg.output.output_dir)
         run = importlib.import_module(module_name).run
         if config_name == "TrainConfig":
             run(cfg, name)

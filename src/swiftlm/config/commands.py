@@ -245,7 +245,7 @@ class PlanConfig:
     data: DataArguments = field(default_factory=DataArguments)  # --max_length
     tuner: TunerArguments = field(default_factory=TunerArguments)
     train: TrainArguments = field(default_factory=TrainArguments)
-    # --nnodes; not named `dist`, which makes a command launch its processes under torchrun
+    # --nnodes of the job planned for (the plan itself runs in this process)
     nodes: DistArguments = field(default_factory=DistArguments)
     plan: PlanArguments = field(default_factory=PlanArguments)
     overwrite: OverwriteArguments = field(default_factory=OverwriteArguments)
