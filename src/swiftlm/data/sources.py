@@ -16,9 +16,12 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swiftlm.errors import DataError
+
+if TYPE_CHECKING:
+    from swiftlm.config import DataArguments
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
@@ -99,6 +102,28 @@ def _looks_like_local_path(path: str) -> bool:
     # A hub id never starts like a filesystem path nor ends with a file extension, so a
     # typo in a local path gets a "not found" error rather than a confusing hub lookup.
     return path.startswith(("/", ".", "~")) or path.lower().endswith(SUPPORTED_EXTENSIONS)
+
+
+def check_dataset_paths(data: DataArguments) -> None:
+    """Raise a DataError naming the first local --dataset / --val_dataset path that does not
+    exist (`swiftlm infer` and `export` read their datasets after the model loads; a training run
+    checks before it loads anything). The reader's own test of local path vs hub id decides,
+    so that a path it would call missing is named before anything loads."""
+    for flag, specs in (("--dataset", data.dataset), ("--val_dataset", data.val_dataset)):
+        for spec in specs:
+            _check_dataset(spec, flag)
+
+
+def _check_dataset(spec: str, flag: str) -> None:
+    """A local dataset path must exist; a hub id is looked up when the data is read."""
+    path, _ = parse_dataset_spec(spec)
+    local = os.path.expanduser(path)
+    if path in BUILTIN_DATASETS or os.path.exists(local) or not _looks_like_local_path(path):
+        return
+    raise DataError(
+        f"{flag} {path}: no such file or folder (looked for {Path(local).resolve()}); check the "
+        "path, or give a hub dataset id"
+    )
 
 
 def _read_directory(path: str) -> Iterator[RawRow]:

@@ -19,8 +19,8 @@ from swiftlm.config import ExportConfig
 from swiftlm.config.paths import check_writable_folder
 from swiftlm.config.rules import check
 from swiftlm.config.rules_export import export_formats
+from swiftlm.data.sources import check_dataset_paths
 from swiftlm.errors import ConfigError
-from swiftlm.train.preflight import check_dataset_paths
 
 
 def chosen_format(cfg: ExportConfig) -> str:

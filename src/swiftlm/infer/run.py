@@ -5,6 +5,7 @@ from swiftlm.checkpoint.targets import check_weights_folders
 from swiftlm.config import InferConfig
 from swiftlm.config.paths import check_writable_file
 from swiftlm.config.rules import check
+from swiftlm.data.sources import check_dataset_paths
 from swiftlm.infer.batch import load_prompts, run_batch
 from swiftlm.infer.chat import run_chat
 from swiftlm.infer.chat_images import check_images
@@ -12,7 +13,6 @@ from swiftlm.infer.frontend import build_chat_engine
 from swiftlm.infer.resolve import resolve_inference_model
 from swiftlm.infer.score import check_task, run_scoring
 from swiftlm.infer.vision import is_vision_model
-from swiftlm.train.preflight import check_dataset_paths
 
 
 def check_paths(cfg: InferConfig) -> None:

@@ -13,19 +13,13 @@ Under torchrun the other ranks wait for rank 0's result (the settled config); a 
 torchrun restarted passes here and resumes (see `rundir`).
 """
 
-import os
-from pathlib import Path
-
 import torch
 
 from swiftlm.checkpoint.targets import not_resumable
-from swiftlm.config import DataArguments, TrainConfig
+from swiftlm.config import TrainConfig
 from swiftlm.config.paths import check_writable_folder
-
-# The data reader's own test of local path vs hub id, so that a path it would call missing is
-# named here, before anything loads.
-from swiftlm.data.sources import BUILTIN_DATASETS, _looks_like_local_path, parse_dataset_spec
-from swiftlm.errors import CheckpointError, DataError
+from swiftlm.data.sources import check_dataset_paths
+from swiftlm.errors import CheckpointError
 from swiftlm.train.resolve import resolve_defaults
 from swiftlm.train.resume_match import check_resume_matches
 from swiftlm.train.rundir import settle_run_dir
@@ -52,23 +46,3 @@ def check_paths(cfg: TrainConfig) -> None:
     problem = not_resumable(resume) if resume not in (None, "auto") else None
     if problem:
         raise CheckpointError(problem)
-
-
-def check_dataset_paths(data: DataArguments) -> None:
-    """Raise a DataError naming the first local --dataset / --val_dataset path that does not
-    exist (`swiftlm infer` and `export` read their datasets after the model loads)."""
-    for flag, specs in (("--dataset", data.dataset), ("--val_dataset", data.val_dataset)):
-        for spec in specs:
-            _check_dataset(spec, flag)
-
-
-def _check_dataset(spec: str, flag: str) -> None:
-    """A local dataset path must exist; a hub id is looked up when the data is read."""
-    path, _ = parse_dataset_spec(spec)
-    local = os.path.expanduser(path)
-    if path in BUILTIN_DATASETS or os.path.exists(local) or not _looks_like_local_path(path):
-        return
-    raise DataError(
-        f"{flag} {path}: no such file or folder (looked for {Path(local).resolve()}); check the "
-        "path, or give a hub dataset id"
-    )
