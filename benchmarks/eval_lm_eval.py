@@ -138,8 +138,8 @@ def load_hf(path: str, args, device: str):
 
 
 def load_swiftlm(path: str, args):
+    from swiftlm.engine.build import build_engine
     from swiftlm.eval.lm_eval_bridge import engine_lm
-    from swiftlm.infer.engine import build_engine
 
     engine = build_engine(
         path, torch_dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs

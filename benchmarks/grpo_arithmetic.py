@@ -30,8 +30,8 @@ TRAIN = [
 
 def base_accuracy() -> float:
     from swiftlm.data.sources import builtin_dataset_path
+    from swiftlm.engine.build import build_engine
     from swiftlm.engine.protocol import GenerationRequest, SamplingParams
-    from swiftlm.infer.engine import build_engine
     from swiftlm.methods.rl.rewards import answers_match
     from swiftlm.models.loader import resolve_model
 

@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from swiftlm.engine.build import build_engine
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams
-from swiftlm.infer.engine import build_engine
 from swiftlm.models.loader import resolve_model
 
 TOPICS = ["the ocean", "volcanoes", "the moon", "bees", "rivers", "deserts", "owls", "glaciers"]

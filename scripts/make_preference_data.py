@@ -57,8 +57,8 @@ def main() -> None:
 
 
 def default_model_answers(questions: list[dict]) -> list[str]:
+    from swiftlm.engine.build import build_engine
     from swiftlm.engine.protocol import GenerationRequest, SamplingParams
-    from swiftlm.infer.engine import build_engine
     from swiftlm.models.loader import resolve_model
 
     engine = build_engine(resolve_model(None).path)

@@ -23,7 +23,7 @@ MAX_TOKENS = 24
 def server(tiny_model_dir, tiny_lora_run):
     if chromium_path() is None:
         pytest.skip("chromium is not installed (.ci/run installs it with apt-get as root)")
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.engine.build import build_engine
     from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import build_tokenizer, make_tiny_llama
+from swiftlm.engine.build import load_named_adapters
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams
-from swiftlm.infer.engine import load_named_adapters
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [100, 101, 102, 103, 104]]

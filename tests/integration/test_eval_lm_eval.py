@@ -96,7 +96,7 @@ def task_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.engine.build import build_engine
 
     engine = build_engine(
         str(tiny_model_dir), torch_dtype="float32", device="cpu", max_num_seqs=8, warmup=False

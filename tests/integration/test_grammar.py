@@ -13,7 +13,7 @@ from swiftlm.engine.protocol import GenerationRequest, SamplingParams
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from swiftlm.infer.grammar import Grammars  # noqa: E402
+from swiftlm.engine.grammar import Grammars  # noqa: E402
 
 PERSON = {
     "type": "object",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import (
     DataArguments,
     GenerationArguments,
@@ -20,7 +21,6 @@ from swiftlm.config import (
 from swiftlm.errors import CheckpointError, ConfigError, DataError
 from swiftlm.infer import run as run_module
 from swiftlm.infer.frontend import ChatEngine, build_chat_engine
-from swiftlm.infer.resolve import resolve_inference_model
 from swiftlm.infer.run import run
 from tolerance import assert_close, forward_terms
 

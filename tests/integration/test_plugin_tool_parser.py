@@ -41,7 +41,7 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def serve(model_dir, parser):
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.engine.build import build_engine
     from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 

@@ -118,7 +118,7 @@ def test_the_reward_model_ranks_held_out_pairs(polite_run, held_out_file, tiny_m
     after training (also 1.0 with full fine-tuning)."""
     from transformers import AutoTokenizer, set_seed
 
-    from swiftlm.infer.score import RewardScorer
+    from swiftlm.engine.score import RewardScorer
     from swiftlm.models.loader import SEQUENCE_CLASSIFICATION, load_model
 
     set_seed(42)  # --seed's default: the head the run started from
@@ -305,7 +305,7 @@ def score_client(polite_run):
 
     from swiftlm.config import DeployConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.infer.score import load_scorer
+    from swiftlm.engine.score import load_scorer
     from swiftlm.serve.app import ServerSettings, scoring_app
     from swiftlm.serve.models import plan_deployment
 

@@ -34,7 +34,7 @@ def forbid_loading(monkeypatch) -> None:
         "swiftlm.train.prepare.load_tokenizer",
         "swiftlm.train.prepare.load_model",
         "swiftlm.infer.run.build_chat_engine",
-        "swiftlm.infer.resolve.resolve_model",
+        "swiftlm.checkpoint.resolve.resolve_model",
         "swiftlm.export.merge.merge_lora",
     ):
         monkeypatch.setattr(target, loaded)

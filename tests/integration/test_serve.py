@@ -16,7 +16,7 @@ MESSAGES = [{"role": "user", "content": "Who are you?"}]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tiny_lora_run):
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.engine.build import build_engine
 
     adapters = {"my-run": str(tiny_lora_run / "final")}
     engine = build_engine(

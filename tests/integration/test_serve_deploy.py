@@ -172,8 +172,8 @@ def test_an_adapter_of_the_default_model_is_served_beside_it_by_its_name(
 
     import yaml
 
+    from swiftlm.checkpoint import resolve
     from swiftlm.config import DeployConfig, parse_config
-    from swiftlm.infer import resolve
     from swiftlm.models.loader import ResolvedModel
     from swiftlm.serve.models import plan_deployment
 

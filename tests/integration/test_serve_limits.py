@@ -24,7 +24,7 @@ def chat(**changes) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.engine.build import build_engine
 
     # float32: bfloat16 matmuls round differently by batch size, so a greedy answer could
     # change with what shares its batch; the isolation tests compare answers across batches.

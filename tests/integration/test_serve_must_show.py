@@ -37,7 +37,7 @@ def make_adapter(model_dir, out, seed: int):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory):
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.engine.build import build_engine
 
     root = tmp_path_factory.mktemp("adapters")
     adapters = {

@@ -54,7 +54,7 @@ ITEM = {
 
 
 def build_app(model_dir):
-    from swiftlm.infer.engine import build_engine
+    from swiftlm.engine.build import build_engine
     from swiftlm.serve.app import ServerSettings, generation_app
     from swiftlm.serve.translate import ServedModels
 

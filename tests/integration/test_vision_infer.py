@@ -2,7 +2,7 @@
 question with `--images` or `/image`, batch inference over rows with images, and the errors
 (a bad image names its row, images for a text model, --images in batch mode).
 
-Generation runs through infer.vision.VisionEngine (transformers' generate with the model's
+Generation runs through engine.vision.VisionEngine (transformers' generate with the model's
 processor), so its greedy answer must be transformers' own on the same processed inputs."""
 
 import io
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.cli.main import main
 from swiftlm.config import GenerationArguments, InferConfig, ModelArguments
 from swiftlm.data.rows import RowError
 from swiftlm.infer.chat_images import question_content
 from swiftlm.infer.frontend import VisionChatEngine, build_chat_engine
-from swiftlm.infer.resolve import resolve_inference_model
 from vlm_helpers import build_llava, colour_rows, write_picture
 
 NEW_TOKENS = 8
@@ -296,8 +296,8 @@ def test_other_architectures_generate_as_transformers(architecture, pictures, tm
 
 
 def test_named_adapters_are_refused_for_a_vision_model(llava):
+    from swiftlm.engine.vision import build_vision_engine
     from swiftlm.errors import ConfigError
-    from swiftlm.infer.vision import build_vision_engine
 
     with pytest.raises(ConfigError, match="continuous-batching engine, which is text-only"):
         build_vision_engine(str(llava), adapters={"a": "/nowhere"})
@@ -354,8 +354,8 @@ def test_an_aborted_request_stops_at_the_next_token(engine, pictures):
 def test_a_runs_max_pixels_is_inherited_unless_set():
     from types import SimpleNamespace
 
+    from swiftlm.checkpoint.resolve import _inherit_max_pixels
     from swiftlm.config import DataArguments
-    from swiftlm.infer.resolve import _inherit_max_pixels
 
     run = SimpleNamespace(run_config=SimpleNamespace(data=DataArguments(max_pixels=4096)))
     assert _inherit_max_pixels(InferConfig(), run) == 4096

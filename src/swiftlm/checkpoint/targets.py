@@ -151,7 +151,7 @@ def check_weights_folders(ckpt_dir: str | None, adapters: list[str]) -> None:
     """Check the folders `swiftlm infer` and `export` load weights from, before anything loads.
 
     Names what a path is when it is a file, a run's checkpoints/ folder, or (for --adapters) a
-    full model; a missing or empty folder is named by `infer/resolve.py` as it resolves it."""
+    full model; a missing or empty folder is named by `resolve.py` as it resolves it."""
     if ckpt_dir:
         _check_weights_folder(ckpt_dir, "--ckpt_dir")
     for path in adapters:

@@ -358,7 +358,7 @@ QLORA_RULES = (
 
 # ---- infer ------------------------------------------------------------------------------------
 
-# Both commands load their model through `infer/resolve.py`, which reads one of the two.
+# Both commands load their model through `checkpoint/resolve.py`, which reads one of the two.
 
 INFER_RULES = (
     Rule(

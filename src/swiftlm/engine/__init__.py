@@ -1,7 +1,14 @@
-"""The continuous-batching generation engine: requests in, token deltas out.
+"""The generation engines and how they are built: requests in, token deltas (or scores) out.
 
-It runs over any transformers causal LM (peft adapters included) and knows nothing of
-files, configs or servers, so every layer that generates builds on it: `swiftlm infer` and
-`swiftlm deploy` (through `infer.engine.build_engine`, which loads a model folder) and the
-online training methods (GRPO, GKD), which sample from the live policy being trained.
+The core, the continuous-batching engine (`protocol.py`, `continuous.py` and what it runs:
+`scheduler.py`, `kvcache.py`, `sampling.py`, `detokenize.py`, `sequence.py`, and the
+structured-output grammars of `grammar.py`), runs over any transformers causal LM (peft
+adapters included) and knows nothing of files, configs or servers (a contract in
+pyproject.toml holds it to that), so every layer that generates builds on it: the online
+training methods (GRPO, GKD) sample from the live policy being trained with it.
+
+Beside the core, what reads files: `build.py` builds an engine for a model folder, a run or
+adapters (`swiftlm infer`, `deploy` and `eval` start there), `vision.py` is the
+vision-language engine (transformers' generate behind the same interface), `score.py` the
+reward-model scorer (one forward pass, no generation).
 """

@@ -123,13 +123,13 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # a served adapter's name; None: the base model
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # A grammar the output must follow (`Constraint`, e.g. infer.grammar's JSON schema);
+    # A grammar the output must follow (`Constraint`, e.g. engine.grammar's JSON schema);
     # None: unconstrained, and no cost.
     constraint: Any = None
 
 
 class ConstraintMatcher(Protocol):
-    """One sample's state in a grammar (see infer/grammar.py)."""
+    """One sample's state in a grammar (see grammar.py)."""
 
     def mask(self, logits: Any) -> None:
         """Set forbidden tokens' logits (one row, [vocab]) to -inf, in place."""

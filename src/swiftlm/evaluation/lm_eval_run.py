@@ -10,7 +10,9 @@ import json
 import time
 from datetime import datetime
 
+from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import UNUSED_FLAGS, EvalConfig, save_config
+from swiftlm.engine.build import engine_for_model
 from swiftlm.eval.backend import Sampling
 from swiftlm.eval.lm_eval_bridge import (
     flatten_results,
@@ -21,8 +23,6 @@ from swiftlm.eval.lm_eval_bridge import (
 from swiftlm.eval.stats import bootstrap_interval
 from swiftlm.evaluate.manifest import build_manifest, library_versions, local_model_entry
 from swiftlm.evaluate.output import PREDICTIONS, output_dir, write_json
-from swiftlm.infer.frontend import engine_for_model
-from swiftlm.infer.resolve import resolve_inference_model
 
 
 def run_lm_eval_backend(cfg: EvalConfig) -> dict:

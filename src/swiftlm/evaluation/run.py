@@ -11,6 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import (
     UNUSED_FLAGS,
     EvalConfig,
@@ -19,6 +20,8 @@ from swiftlm.config import (
 )
 from swiftlm.config.parse import load_run_config
 from swiftlm.config.rules import check
+from swiftlm.engine.build import engine_for_model
+from swiftlm.engine.score import is_reward_model
 from swiftlm.errors import ConfigError
 from swiftlm.eval.backend import LocalBackend, Sampling
 from swiftlm.eval.compare import (
@@ -40,9 +43,6 @@ from swiftlm.evaluate.manifest import (
     task_entry,
 )
 from swiftlm.evaluate.output import PREDICTIONS, output_dir, resolve_compare_folder, write_json
-from swiftlm.infer.frontend import engine_for_model
-from swiftlm.infer.resolve import resolve_inference_model
-from swiftlm.infer.score import is_reward_model
 
 
 def run(cfg: EvalConfig) -> dict:

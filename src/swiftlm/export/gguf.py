@@ -124,7 +124,7 @@ def validate(cfg: ExportConfig) -> None:
         raise ConfigError(f"--gguf_type {e.gguf_type}: choose one of {', '.join(GGUF_TYPES)}")
     from transformers import AutoConfig
 
-    from swiftlm.infer.resolve import resolve_inference_model
+    from swiftlm.checkpoint.resolve import resolve_inference_model
 
     base = Path(resolve_inference_model(cfg).base_path)
     if (base / "config.json").is_file():

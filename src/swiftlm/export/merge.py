@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from swiftlm.engine.build import InferenceModel
 from swiftlm.export.checks import (
     CHECK_PROMPTS,
     Tolerance,
@@ -20,7 +21,6 @@ from swiftlm.export.checks import (
     compare_logits,
     forward_logits,
 )
-from swiftlm.infer.resolve import InferenceModel
 from swiftlm.models.loader import load_model, load_tokenizer
 
 # float32: x @ (W + s B A) and x @ W + s (x A) B round differently, and the difference grows
@@ -35,7 +35,7 @@ def _unmerged(base, adapters: tuple[str, ...]):
     last one kept apart, so the reference really runs the adapter path."""
     from peft import PeftModel
 
-    from swiftlm.infer.engine import apply_adapters
+    from swiftlm.engine.build import apply_adapters
 
     base = apply_adapters(base, adapters[:-1])
     return PeftModel.from_pretrained(base, adapters[-1])

@@ -43,8 +43,8 @@ def output_folder(cfg: ExportConfig) -> Path:
 
 
 def _export_merged(cfg: ExportConfig, out: Path) -> dict:
+    from swiftlm.checkpoint.resolve import resolve_inference_model
     from swiftlm.export.merge import merge_lora
-    from swiftlm.infer.resolve import resolve_inference_model
 
     spec = resolve_inference_model(cfg)
     if not spec.adapters:

@@ -11,8 +11,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import ExportConfig
-from swiftlm.infer.resolve import InferenceModel, resolve_inference_model
+from swiftlm.engine.build import InferenceModel
 
 
 @dataclass(frozen=True)

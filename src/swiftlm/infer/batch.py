@@ -25,10 +25,10 @@ from pathlib import Path
 
 from swiftlm.config import InferConfig
 from swiftlm.data.loading import load_samples
+from swiftlm.engine.build import InferenceModel
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.infer.chat_images import text_prompt_sample, vision_prompt_sample
 from swiftlm.infer.frontend import AnswersFailed, InferEngine
-from swiftlm.infer.resolve import InferenceModel
 
 FAILED_ROWS_SHOWN = 10  # rows named in the error; the results file marks them all
 

@@ -13,9 +13,9 @@ from swiftlm.data.columns import refuse_media_parts
 from swiftlm.data.formats import RowError, chat_sample
 from swiftlm.data.images import resolve_image
 from swiftlm.data.vision_rows import IMAGE_TAG, attach_images, vision_chat_sample
+from swiftlm.engine.build import InferenceModel
+from swiftlm.engine.vision import is_vision_model
 from swiftlm.errors import ConfigError
-from swiftlm.infer.resolve import InferenceModel
-from swiftlm.infer.vision import is_vision_model
 
 IMAGE_COMMAND = "/image"
 TEXT_ONLY = (

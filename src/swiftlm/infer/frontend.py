@@ -4,7 +4,7 @@
 continuous-batching engine: `generate` submits every conversation at once (the engine
 batches them step by step), `stream` yields one answer's text as it is decoded.
 
-A vision-language model runs through `infer.vision.VisionEngine` instead (continuous batching
+A vision-language model runs through `engine.vision.VisionEngine` instead (continuous batching
 is text-only): `VisionChatEngine` renders conversations with image parts through the model's
 processor and sends them one at a time to `model.generate`, behind the same interface.
 """
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from swiftlm.config import GenerationArguments, ModelArguments
+from swiftlm.engine.build import InferenceModel, engine_for_model
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import (
     GenerationFailed,
@@ -22,9 +23,7 @@ from swiftlm.engine.protocol import (
     SamplingParams,
     user_sampling,
 )
-from swiftlm.infer.engine import build_engine
-from swiftlm.infer.resolve import InferenceModel
-from swiftlm.infer.vision import VisionEngine, build_vision_engine, is_vision_model
+from swiftlm.engine.vision import VisionEngine
 
 
 class AnswersFailed(RuntimeError):
@@ -50,34 +49,6 @@ class InferEngine(Protocol):
     def generate(self, conversations: list[list[dict]], gen: GenerationArguments) -> list[str]: ...
 
     def stream(self, conversation: list[dict], gen: GenerationArguments) -> Iterator[str]: ...
-
-
-def engine_for_model(
-    spec: InferenceModel,
-    model_args: ModelArguments,
-    seed: int,
-    max_num_seqs: int = 32,
-    adapters: dict[str, str] | None = None,
-    max_model_len: int | None = None,
-    max_pixels: int = 0,
-) -> ContinuousEngine | VisionEngine:
-    """The engine for a resolved model: its run adapters merged in, `adapters` (name -> folder)
-    served unmerged beside it (`swiftlm deploy`). A vision-language model gets a
-    `VisionEngine` (transformers' generate, one request at a time: continuous batching is
-    text-only)."""
-    options = dict(
-        tokenizer_path=spec.tokenizer_path,
-        merge_adapters=spec.adapters,
-        adapters=adapters,
-        torch_dtype=spec.torch_dtype,
-        device=model_args.device,
-        attn_impl=model_args.attn_impl,
-        max_model_len=max_model_len,
-        seed=seed,
-    )
-    if is_vision_model(spec.base_path):
-        return build_vision_engine(spec.base_path, max_pixels=max_pixels, **options)
-    return build_engine(spec.base_path, max_num_seqs=max_num_seqs, **options)
 
 
 def build_chat_engine(

@@ -1,18 +1,18 @@
 """`swiftlm infer`: chat with a model, or answer every prompt of `--val_dataset` into a file
 (`--task score`: write each conversation's reward instead, with a reward model)."""
 
+from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.checkpoint.targets import check_weights_folders
 from swiftlm.config import InferConfig
 from swiftlm.config.paths import check_writable_file
 from swiftlm.config.rules import check
 from swiftlm.data.sources import check_dataset_paths
+from swiftlm.engine.vision import is_vision_model
 from swiftlm.infer.batch import load_prompts, run_batch
 from swiftlm.infer.chat import run_chat
 from swiftlm.infer.chat_images import check_images
 from swiftlm.infer.frontend import build_chat_engine
-from swiftlm.infer.resolve import resolve_inference_model
 from swiftlm.infer.score import check_task, run_scoring
-from swiftlm.infer.vision import is_vision_model
 
 
 def check_paths(cfg: InferConfig) -> None:

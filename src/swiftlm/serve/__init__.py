@@ -10,7 +10,7 @@
 - `guard.py` + `auth.py`: API keys, body size, shutdown; `metrics.py`: Prometheus metrics;
 - `run.py`: the command (load, serve, drain on SIGTERM);
 - `vision.py`: image_url parts for a vision-language model, which generates through
-  infer.vision.VisionEngine (transformers' generate; continuous batching is text-only).
+  engine.vision.VisionEngine (transformers' generate; continuous batching is text-only).
 
 Needs the `serve` extra (fastapi, uvicorn, prometheus-client); importing this package alone
 does not.

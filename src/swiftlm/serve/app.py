@@ -4,7 +4,7 @@ routers each kind of model mounts (serve.routes, one router per endpoint group).
 - `generation_app(engine, tokenizer, models, settings)`: `GET /v1/models`,
   `POST /v1/chat/completions`, `POST /v1/completions` (whole answers or server-sent events),
   `GET /health`, `GET /metrics`, and the chat page at `GET /`. A vision-language model's chat
-  route also takes image_url parts (`vision.py`); its engine is infer.vision.VisionEngine
+  route also takes image_url parts (`vision.py`); its engine is engine.vision.VisionEngine
   (continuous batching is text-only).
 - `scoring_app(scorer, models, settings)`: a reward model's `POST /v1/score` (`scoring.py`),
   `GET /v1/models`, `GET /health`, `GET /metrics`; no generation.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI
 
 from swiftlm.engine.protocol import Engine
-from swiftlm.infer.score import RewardScorer
+from swiftlm.engine.score import RewardScorer
 from swiftlm.serve.completions import Completions
 from swiftlm.serve.errors import install_error_handlers
 from swiftlm.serve.guard import Gate, ServerState
@@ -85,7 +85,7 @@ def generation_app(
 
 
 def scoring_app(scorer: RewardScorer, models: ServedModels, settings: ServerSettings) -> FastAPI:
-    """The server over a loaded reward model: one model (its adapters merged in, infer.score),
+    """The server over a loaded reward model: one model (its adapters merged in, engine.score),
     listed under the base name."""
     metrics = ScoringMetrics()
     scoring = Scoring(scorer, models, settings.system, metrics)

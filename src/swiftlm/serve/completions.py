@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from swiftlm.engine.protocol import Engine, GenerationRequest, SampleDelta, SamplingParams
-from swiftlm.infer.vision import VisionRequest
+from swiftlm.engine.vision import VisionRequest
 from swiftlm.serve import responses as r
 from swiftlm.serve.errors import APIError, error_body
 from swiftlm.serve.generation import (
@@ -110,7 +110,7 @@ class Completions:
         # The grammar ends a constrained answer with one of the engine's end-of-turn tokens.
         stop_ids = getattr(engine, "stop_token_ids", None) or [tokenizer.eos_token_id]
         self.constraints = Constraints(tokenizer, stop_ids)
-        # A vision-language model's engine (infer.vision) takes image parts.
+        # A vision-language model's engine (engine.vision) takes image parts.
         self.vision = getattr(engine, "vision", False)
 
     def _params(self, body, prompt_ids: list[int]) -> SamplingParams:

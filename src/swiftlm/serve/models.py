@@ -9,10 +9,11 @@ reward model (`swiftlm rlhf --rlhf_type rm`) is served for scoring only (serve/s
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import DeployConfig, InferArguments, InferConfig
+from swiftlm.engine.build import InferenceModel
+from swiftlm.engine.score import is_reward_adapter, is_reward_model
 from swiftlm.errors import ConfigError
-from swiftlm.infer.resolve import InferenceModel, resolve_inference_model
-from swiftlm.infer.score import is_reward_adapter, is_reward_model
 from swiftlm.serve.translate import ServedModels
 
 

@@ -75,10 +75,10 @@ def run(cfg: DeployConfig) -> None:
 def start_engine(cfg: DeployConfig, plan: DeployPlan):
     """The generation engine, or for a reward model its scorer (no engine)."""
     if plan.reward_model:
-        from swiftlm.infer.score import load_scorer
+        from swiftlm.engine.score import load_scorer
 
         return load_scorer(plan.spec, cfg.model)
-    from swiftlm.infer.frontend import engine_for_model
+    from swiftlm.engine.build import engine_for_model
 
     d = cfg.deploy
     return engine_for_model(

@@ -2,7 +2,7 @@
 rm`) beside /v1/models, /health and /metrics (serve.app.scoring_app mounts them); no generation.
 
 A reward model has a score head instead of a language-model head, so it is loaded without a
-generation engine (`infer/score.py`) and the generation routes answer 400, naming the route
+generation engine (`engine/score.py`) and the generation routes answer 400, naming the route
 to use. The request (vLLM's `/score` response shape, OpenAI's error objects):
 
     POST /v1/score
@@ -26,7 +26,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
 from swiftlm.data.rows import RowError
-from swiftlm.infer.score import RewardScorer, score_sample
+from swiftlm.engine.score import RewardScorer, score_sample
 from swiftlm.serve.errors import APIError
 from swiftlm.serve.metrics import ScoringMetrics
 from swiftlm.serve.schemas import TextPart

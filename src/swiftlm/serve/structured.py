@@ -1,7 +1,7 @@
 """The grammar a chat request's output must follow: `response_format` (JSON, a JSON schema) or a
 forced tool call (`tool_choice` "required" or a named function).
 
-Enforced while decoding (infer/grammar.py), not checked afterwards: every token the model may
+Enforced while decoding (engine/grammar.py), not checked afterwards: every token the model may
 pick keeps the output valid, so even a weak model's answer parses. Compiling happens here,
 before the engine, so a schema xgrammar cannot handle is a 400 that names it.
 """
@@ -26,7 +26,7 @@ class Constraints:
         with self._lock:
             if self._grammars is None:
                 try:
-                    from swiftlm.infer.grammar import Grammars
+                    from swiftlm.engine.grammar import Grammars
 
                     self._grammars = Grammars(self.tokenizer, self.stop_token_ids)
                 except ImportError as exc:

@@ -1,7 +1,7 @@
 """Image content parts of `/v1/chat/completions`.
 
 OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` parts are taken by a
-vision-language model (served by infer.vision.VisionEngine: transformers' generate, one
+vision-language model (served by engine.vision.VisionEngine: transformers' generate, one
 request at a time; continuous batching is text-only). The url may be:
 
 - a data URL, `data:image/png;base64,...` (what the openai client sends for local files);
@@ -19,7 +19,7 @@ from __future__ import annotations
 from swiftlm.data.images import URL_SCHEMES, resolve_image
 from swiftlm.data.parts import flatten_text_parts
 from swiftlm.data.rows import RowError
-from swiftlm.infer.vision import VisionPrompt
+from swiftlm.engine.vision import VisionPrompt
 from swiftlm.serve.errors import APIError
 from swiftlm.serve.schemas import ChatCompletionRequest
 from swiftlm.serve.tools import check_renders_tools, template_message, template_tools

@@ -1,8 +1,8 @@
 """Generation with vision-language models (Qwen2-VL, LLaVA, SmolVLM/Idefics3 ...): the
 vision generator behind `swiftlm infer` and `swiftlm deploy` when the model takes images.
 
-Continuous batching is text-only: the engine of `swiftlm.engine` keeps its own KV cache of
-token ids and knows nothing of pixel features. A vision-language model therefore runs
+Continuous batching is text-only: the continuous-batching engine (`continuous.py`) keeps its
+own KV cache of token ids and knows nothing of pixel features. A vision-language model therefore runs
 through `VisionEngine`, a small generator with the same `Engine` interface (submit / abort /
 generate / stats / shutdown) that the infer front end and the server call: the model's own
 processor turns a conversation and its images into ids and pixel features
@@ -378,7 +378,7 @@ def build_vision_engine(
     max_pixels: int = 0,
 ) -> VisionEngine:
     """Load a vision-language model, its processor and its (merged) adapters."""
-    from swiftlm.infer.engine import apply_adapters
+    from swiftlm.engine.build import apply_adapters  # build.py builds this module's engine
 
     if adapters:
         raise ConfigError(

@@ -1,4 +1,6 @@
-"""Work out what `swiftlm infer` loads: a base model, adapters on it, a tokenizer, a system prompt.
+"""Work out what a model, run or adapter flag loads: a base model, adapters on it, a tokenizer,
+a system prompt, for `swiftlm infer`, `deploy`, `eval` and `export`. The result, an
+`engine.build.InferenceModel`, is what an engine is built from.
 
 The user points at a model in one of these ways:
 
@@ -17,32 +19,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from swiftlm.checkpoint import is_complete, list_checkpoints
 from swiftlm.checkpoint.blocks import is_block_checkpoint
+from swiftlm.checkpoint.folders import is_complete, list_checkpoints
+from swiftlm.checkpoint.targets import ADAPTER_CONFIG, MODEL_CONFIG, RUN_CONFIG
 from swiftlm.config import InferConfig, TrainConfig
 from swiftlm.config.parse import load_run_config
+from swiftlm.engine.build import InferenceModel
 from swiftlm.errors import CheckpointError, ConfigError, ModelLoadError, SwiftLMError
 from swiftlm.models.loader import resolve_model
 
-RUN_CONFIG = "config.yaml"
-ADAPTER_CONFIG = "adapter_config.json"
-MODEL_CONFIG = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-@dataclass(frozen=True)
-class InferenceModel:
-    """Everything needed to build an inference engine, with paths already resolved."""
-
-    base_path: str  # what `from_pretrained` loads: a local folder or a hub id
-    adapters: tuple[str, ...]  # adapter folders, applied in order on the base
-    tokenizer_path: str  # the adapter/final folder when it has tokenizer files, else the base
-    system: str | None  # system prompt for conversations that have none
-    torch_dtype: str  # --torch_dtype, or the run's when the user left it at auto
-    description: str  # one line for the console: what was loaded
-    ckpt_dir: str | None = None  # where batch results go by default (the run dir if known)
-    base_name: str | None = None  # the base model's short name, when a base was resolved
-    max_pixels: int = 0  # --max_pixels, or the run's when the user left it at 0 (images)
 
 
 @dataclass(frozen=True)

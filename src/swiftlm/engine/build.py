@@ -1,18 +1,71 @@
-"""Build the continuous-batching engine: load the model, its tokenizer and its adapters.
+"""Build an engine for a model folder: load the model, its tokenizer and its adapters.
 
-`build_engine` is what `swiftlm deploy` and `swiftlm eval` start from (GRPO's and GKD's
-rollouts run the same engine over the live policy: `methods/rl/rollout.py`);
-`swiftlm infer` wraps the same engine in `frontend.ChatEngine`. Adapters come in two kinds:
+`InferenceModel` is what a command resolved its model flags to (`checkpoint.resolve`: a
+model, a run or adapters); `engine_for_model` builds its engine: the continuous-batching
+engine, or a vision-language model's `vision.VisionEngine` (continuous batching is text-only).
+`build_engine` starts the continuous-batching engine over a model folder or hub id.
+`swiftlm deploy` and `swiftlm eval` start from these, `swiftlm infer` wraps the same engines
+in `infer.frontend.ChatEngine` (GRPO's and GKD's rollouts run the engine over the live policy
+instead: `methods/rl/rollout.py`). Adapters come in two kinds:
 merged ones (folded into the base weights: as fast as the plain model, they can stack) and
 named ones (kept apart as peft LoRA layers, chosen per request by `GenerationRequest.adapter`,
 all sharing one copy of the base weights and one batch).
+
+Unlike the engine's core (`continuous.py` and what it runs), this module reads files: model
+folders, adapter folders, the model's flags.
 """
 
 import warnings
+from dataclasses import dataclass
 
+from swiftlm.config import ModelArguments
 from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
+from swiftlm.engine.vision import VisionEngine, build_vision_engine, is_vision_model
 from swiftlm.errors import ModelLoadError
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    """Everything needed to build an inference engine, with paths already resolved."""
+
+    base_path: str  # what `from_pretrained` loads: a local folder or a hub id
+    adapters: tuple[str, ...]  # adapter folders, applied in order on the base
+    tokenizer_path: str  # the adapter/final folder when it has tokenizer files, else the base
+    system: str | None  # system prompt for conversations that have none
+    torch_dtype: str  # --torch_dtype, or the run's when the user left it at auto
+    description: str  # one line for the console: what was loaded
+    ckpt_dir: str | None = None  # where batch results go by default (the run dir if known)
+    base_name: str | None = None  # the base model's short name, when a base was resolved
+    max_pixels: int = 0  # --max_pixels, or the run's when the user left it at 0 (images)
+
+
+def engine_for_model(
+    spec: InferenceModel,
+    model_args: ModelArguments,
+    seed: int,
+    max_num_seqs: int = 32,
+    adapters: dict[str, str] | None = None,
+    max_model_len: int | None = None,
+    max_pixels: int = 0,
+) -> ContinuousEngine | VisionEngine:
+    """The engine for a resolved model: its run adapters merged in, `adapters` (name -> folder)
+    served unmerged beside it (`swiftlm deploy`). A vision-language model gets a
+    `VisionEngine` (transformers' generate, one request at a time: continuous batching is
+    text-only)."""
+    options = dict(
+        tokenizer_path=spec.tokenizer_path,
+        merge_adapters=spec.adapters,
+        adapters=adapters,
+        torch_dtype=spec.torch_dtype,
+        device=model_args.device,
+        attn_impl=model_args.attn_impl,
+        max_model_len=max_model_len,
+        seed=seed,
+    )
+    if is_vision_model(spec.base_path):
+        return build_vision_engine(spec.base_path, max_pixels=max_pixels, **options)
+    return build_engine(spec.base_path, max_num_seqs=max_num_seqs, **options)
 
 
 def build_engine(
