@@ -96,7 +96,7 @@ def evaluate(lm, task_file: str, chat: bool) -> tuple[dict[str, float], list[str
     cores), and the answers in document order."""
     import lm_eval
 
-    from swiftlm.eval.lm_eval_bridge import resolve_tasks, task_manager
+    from swiftlm.evaluation.lm_eval_bridge import resolve_tasks, task_manager
 
     names, folders = resolve_tasks([task_file])
     manager = task_manager(names, folders)
@@ -139,7 +139,7 @@ def load_hf(path: str, args, device: str):
 
 def load_swiftlm(path: str, args):
     from swiftlm.engine.build import build_engine
-    from swiftlm.eval.lm_eval_bridge import engine_lm
+    from swiftlm.evaluation.lm_eval_bridge import engine_lm
 
     engine = build_engine(
         path, torch_dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs

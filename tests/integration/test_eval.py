@@ -95,7 +95,7 @@ def test_perplexity_equals_transformers(tiny_model_dir, reference, tmp_path):
 @pytest.mark.numerics
 def test_a_text_longer_than_the_context_is_scored_in_windows(reference):
     """Windows overlap by one token, so every token after the first is predicted once."""
-    from swiftlm.eval.loglik import text_nll
+    from swiftlm.evaluation.loglik import text_nll
 
     model, tokenizer = reference
     text = TEXTS[1]["text"]
@@ -160,7 +160,7 @@ def test_generation_records_summary_and_manifest(tiny_model_dir, tmp_path):
     for value in metrics.values():
         assert value["low"] <= value["mean"] <= value["high"] and value["n"] == 4
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    from swiftlm.evaluate.manifest import weights_sha256
+    from swiftlm.evaluation.manifest import weights_sha256
 
     assert manifest["model"]["base_sha256"] == weights_sha256(str(tiny_model_dir))
     assert manifest["seed"] == 3 and manifest["sampling"]["max_new_tokens"] == 12

@@ -109,7 +109,7 @@ def run_both(engine, model_dir, task_files, **options):
     """(swiftlm's results, lm-eval HF backend's results) on the same tasks and seeds."""
     import lm_eval
 
-    from swiftlm.eval.lm_eval_bridge import resolve_tasks, run_lm_eval, task_manager
+    from swiftlm.evaluation.lm_eval_bridge import resolve_tasks, run_lm_eval, task_manager
 
     ours = run_lm_eval(engine, task_files, batch_size=16, bootstrap_iters=0, **options)
     names, folders = resolve_tasks(task_files)
@@ -140,7 +140,7 @@ def samples(results, task):
 
 
 def test_metrics_equal_lm_eval_hf_backend(both_runs):
-    from swiftlm.eval.lm_eval_bridge import flatten_results
+    from swiftlm.evaluation.lm_eval_bridge import flatten_results
 
     ours, theirs = both_runs
     flat = flatten_results(ours)
@@ -187,7 +187,7 @@ def test_rolling_loglikelihood_matches_hf(engine, tiny_model_dir):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from swiftlm.eval.lm_eval_bridge import engine_lm
+    from swiftlm.evaluation.lm_eval_bridge import engine_lm
 
     texts = [" ".join(QUESTIONS), QUESTIONS[0], "The quick brown fox jumps over the lazy dog. " * 3]
     requests = [
@@ -200,7 +200,7 @@ def test_rolling_loglikelihood_matches_hf(engine, tiny_model_dir):
 
 
 def test_flatten_results_drops_filters_and_keeps_stderrs():
-    from swiftlm.eval.lm_eval_bridge import flatten_results, flatten_stderrs
+    from swiftlm.evaluation.lm_eval_bridge import flatten_results, flatten_stderrs
 
     results = {
         "results": {
@@ -219,7 +219,7 @@ def test_flatten_results_drops_filters_and_keeps_stderrs():
 
 def test_bad_task_names_are_clear_errors(engine, tmp_path):
     from swiftlm.errors import ConfigError
-    from swiftlm.eval.lm_eval_bridge import run_lm_eval
+    from swiftlm.evaluation.lm_eval_bridge import run_lm_eval
 
     with pytest.raises(ConfigError, match="missing.yaml: not found"):
         run_lm_eval(engine, [str(tmp_path / "missing.yaml")])
@@ -235,7 +235,7 @@ def test_missing_lm_eval_names_the_extra(monkeypatch):
     import sys
 
     from swiftlm.errors import ConfigError
-    from swiftlm.eval.lm_eval_bridge import require_lm_eval
+    from swiftlm.evaluation.lm_eval_bridge import require_lm_eval
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import` sees when not installed
     with pytest.raises(ConfigError, match=r"pip install 'swiftlm\[eval\]'"):
@@ -248,7 +248,7 @@ def test_swiftlm_eval_command_runs_lm_eval_tasks(both_runs, task_files, tiny_mod
     import json
 
     from swiftlm.cli.main import main
-    from swiftlm.eval.lm_eval_bridge import flatten_results
+    from swiftlm.evaluation.lm_eval_bridge import flatten_results
 
     out = tmp_path / "out"
     argv = ["eval", "--model", str(tiny_model_dir), "--torch_dtype", "float32"]

@@ -2,9 +2,9 @@
 
 import pytest
 
-import swiftlm.eval.contamination as contamination
+import swiftlm.evaluation.contamination as contamination
 from swiftlm.errors import ConfigError
-from swiftlm.eval.contamination import (
+from swiftlm.evaluation.contamination import (
     build_index,
     check,
     ngram_hashes,

@@ -5,19 +5,19 @@ import json
 import pytest
 
 from swiftlm.errors import ConfigError
-from swiftlm.eval.extract import extractor
-from swiftlm.eval.judge import Verdict, _verdict, parse_verdict
-from swiftlm.eval.metrics import (
+from swiftlm.evaluation.generation import (
     answer_match,
     bleu,
     chrf,
     exact_match,
+    extractor,
     normalize_answer,
     numeric_match,
     rouge_l,
 )
-from swiftlm.eval.task_file import load_tasks, quick_suite
-from swiftlm.eval.tasks import Sample, kind_of_row
+from swiftlm.evaluation.judge import Verdict, _verdict, parse_verdict
+from swiftlm.evaluation.task_file import kind_of_row, load_tasks, quick_suite
+from swiftlm.evaluation.tasks import Sample
 
 
 def sample(reference=None, answers=()):

@@ -11,7 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from swiftlm.errors import ConfigError, DataError
-from swiftlm.eval.compare import (
+from swiftlm.evaluation.compare import (
     compare_results,
     comparison_to_json,
     format_comparison,
@@ -19,7 +19,7 @@ from swiftlm.eval.compare import (
     lower_is_better,
     verdict,
 )
-from swiftlm.eval.stats import (
+from swiftlm.evaluation.stats import (
     MCNEMAR,
     PAIRED_BOOTSTRAP,
     bootstrap_interval,
@@ -70,7 +70,7 @@ def test_continuous_interval_matches_the_normal_interval():
 
 def test_count_resampling_matches_index_resampling(monkeypatch):
     # Binary scores take the multinomial shortcut; forcing index draws must agree with it.
-    import swiftlm.eval.stats as stats
+    import swiftlm.evaluation.stats as stats
 
     scores = (np.random.default_rng(10).random(1000) < 0.4).astype(float)
     counts = bootstrap_interval(scores, resamples=20_000)
@@ -88,7 +88,7 @@ def test_same_seed_same_interval_other_seed_differs():
 
 def test_chunked_index_resampling_is_deterministic_across_chunks(monkeypatch):
     # Many distinct values take the index path; a tiny chunk forces many chunks.
-    import swiftlm.eval.stats as stats
+    import swiftlm.evaluation.stats as stats
 
     scores = np.random.default_rng(1).random(500)
     whole = bootstrap_interval(scores, resamples=2000)

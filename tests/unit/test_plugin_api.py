@@ -146,7 +146,7 @@ def test_bad_callbacks_are_refused_and_a_raising_one_names_its_plugin(tmp_path):
 
 
 def test_templates_parsers_tasks_and_loaders_reach_their_registries(tiny_model_dir, tmp_path):
-    from swiftlm.eval.task_file import BUILTIN_TASKS
+    from swiftlm.evaluation.task_file import BUILTIN_TASKS
     from swiftlm.methods import METHODS
     from swiftlm.methods.sft import SFT
     from swiftlm.models.loader import load_model, load_tokenizer

@@ -1,7 +1,7 @@
 """A row that two layouts could read, or whose score would be undefined, is refused by
 `file:line` with the reason, never read one way silently: the training and inference formats
 (`data/formats.py`), preference pairs (`data/preference.py`) and evaluation rows
-(`eval/tasks.py`)."""
+(`evaluation/`: each task kind's `read_row`)."""
 
 import pytest
 
@@ -9,7 +9,7 @@ from conftest import write_jsonl
 from swiftlm.data.formats import chat_sample, text_sample
 from swiftlm.data.loading import DataValidationError, load_samples
 from swiftlm.data.preference import preference_sample
-from swiftlm.eval.tasks import read_task_rows
+from swiftlm.evaluation.task_file import read_task_rows
 
 CHAT = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
 SHAREGPT = [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]

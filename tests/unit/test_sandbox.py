@@ -1,6 +1,6 @@
-"""The code sandbox (swiftlm.eval.sandbox) and HumanEval code tasks (swiftlm.eval.code): a
-generated program that loops, eats memory, writes outside its folder or starts processes must
-end with the right status and leave the machine as it was."""
+"""The code sandbox (swiftlm.evaluation.sandbox) and HumanEval code tasks
+(swiftlm.evaluation.code): a generated program that loops, eats memory, writes outside its
+folder or starts processes must end with the right status and leave the machine as it was."""
 
 import os
 import sys
@@ -10,14 +10,14 @@ import time
 import pytest
 
 from swiftlm.errors import ConfigError, DataError
-from swiftlm.eval.code import (
+from swiftlm.evaluation.code import (
     EXTRACTION_RULE,
     check_completions,
     extract_code,
     load_humaneval,
     program_for,
 )
-from swiftlm.eval.sandbox import landlock_abi, run_program, run_programs
+from swiftlm.evaluation.sandbox import landlock_abi, run_program, run_programs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
 

@@ -10,7 +10,7 @@ An input path that exists must be the kind its flag reads (`INPUT_KINDS`, checke
 The other input flags are checked where they are read, still before any model loads:
 --model/--ref_model/--teacher_model (a folder or a .gguf file: `models/`), --ckpt_dir and
 --adapters (`checkpoint/targets.py`), --resume_from_checkpoint (`train/preflight.py`), report's
-run directories (`report/run_data.py`) and --compare (`evaluate/output.py`). A dataset flag
+run directories (`report/run_data.py`) and --compare (`evaluation/output.py`). A dataset flag
 takes a file or a folder (every file in it is read), so its kind needs no check.
 """
 

@@ -5,16 +5,30 @@ prompts, sampling settings and scoring; only the transport differs. Generation o
 backend submits every prompt of a task to the continuous-batching engine at once.
 Log-likelihood tasks (perplexity, multiple choice) need the model's own forward pass, which
 only the local backend has.
+
+`EndpointBackend` is any OpenAI-compatible server (`--eval_url`, and the judge's
+`--judge_url`). Conversations go to `/chat/completions` (the server applies its chat template)
+and raw-text prompts to `/completions`, several requests in flight at once so that a batching
+server (swiftlm deploy, vLLM) batches them. The standard library's HTTP client is enough here,
+and keeps this path free of optional dependencies. A client-side problem (bad URL, refused
+connection, unknown model, rejected request) stops the evaluation with the server's own
+message; a server error is retried twice before it does.
 """
 
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from swiftlm.config.sections_infer import GenerationArguments
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams, user_sampling
-from swiftlm.errors import DataError
-from swiftlm.eval.loglik import ContinuationScore, TextNll, continuation_logprobs, text_nll
+from swiftlm.errors import DataError, SwiftLMError
+from swiftlm.evaluation.loglik import ContinuationScore, TextNll, continuation_logprobs, text_nll
 
 
 @dataclass(frozen=True)
@@ -143,3 +157,120 @@ class _eval_mode:
     def __exit__(self, *exc):
         self.model.train(self.was_training)
         return False
+
+
+RETRIES = 2
+
+
+class EndpointError(SwiftLMError):
+    """The evaluation server cannot be used: unreachable, or it refused a request."""
+
+
+class EndpointBackend:
+    supports_loglikelihood = False
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        concurrency: int = 16,
+        timeout_s: float = 600.0,
+        flag: str = "--eval_url",
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.flag = flag
+        self.model = model or self.first_model()
+        self.description = f"{self.model} at {self.base_url}"
+
+    def first_model(self) -> str:
+        listed = self._request("GET", "/models", None).get("data") or []
+        if not listed:
+            raise EndpointError(f"{self.flag} {self.base_url}: the server lists no model")
+        return listed[0]["id"]
+
+    def generate(self, prompts, sampling: Sampling, max_new_tokens: int) -> list[str]:
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(lambda p: self._answer(p, sampling, max_new_tokens), prompts))
+
+    def _answer(self, prompt, sampling: Sampling, max_new_tokens: int) -> str:
+        body = {
+            "model": self.model,
+            "max_tokens": max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+        }
+        # vLLM's extra sampling fields, sent only when set: plain OpenAI servers lack them.
+        if sampling.temperature > 0 and sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.repetition_penalty != 1.0:
+            body["repetition_penalty"] = sampling.repetition_penalty
+        if isinstance(prompt, str):
+            reply = self._request("POST", "/completions", {**body, "prompt": prompt})
+            return reply["choices"][0]["text"]
+        reply = self._request("POST", "/chat/completions", {**body, "messages": prompt})
+        return reply["choices"][0]["message"]["content"] or ""
+
+    def chat(self, messages: list[dict], max_tokens: int, temperature: float = 0.0) -> str:
+        """One chat answer (the judge's verdict)."""
+        sampling = Sampling(max_new_tokens=max_tokens, temperature=temperature, seed=0)
+        return self._answer(messages, sampling, max_tokens)
+
+    def _request(self, method: str, path: str, body: dict | None) -> dict:
+        url = self.base_url + path
+        for attempt in range(RETRIES + 1):
+            try:
+                return self._send(method, url, body)
+            except urllib.error.HTTPError as exc:
+                detail = exc.read().decode("utf-8", "replace")[:500]
+                if exc.code < 500 or attempt == RETRIES:
+                    raise EndpointError(
+                        f"{self.flag} {self.base_url}: {method} {path} answered {exc.code}: "
+                        f"{detail}{_hint(exc.code)}"
+                    ) from None
+            except (urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                raise EndpointError(
+                    f"{self.flag} {self.base_url}: cannot reach the server ({reason}); is it "
+                    "running, and does the URL end with /v1?"
+                ) from None
+            time.sleep(1.0 + attempt)
+        raise AssertionError("unreachable")
+
+    def _send(self, method: str, url: str, body: dict | None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, method=method)
+        request.add_header("Content-Type", "application/json")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            return json.loads(response.read())
+
+    def text_nll(self, texts):
+        raise _no_loglikelihood("perplexity")
+
+    def continuation_logprobs(self, pairs):
+        raise _no_loglikelihood("multiple-choice")
+
+    def close(self) -> None:
+        pass
+
+
+def _hint(code: int) -> str:
+    if code == 401:
+        return " (set --api_key or OPENAI_API_KEY)"
+    if code == 404:
+        return " (check the URL: it usually ends with /v1, and --model names a served model)"
+    return ""
+
+
+def _no_loglikelihood(kind: str) -> SwiftLMError:
+    return EndpointError(
+        f"--eval_url: {kind} tasks need the model's log-likelihood of given text, which an "
+        "OpenAI-compatible chat server does not return; evaluate them on the local model "
+        "(--model/--ckpt_dir) instead"
+    )

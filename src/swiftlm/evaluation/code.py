@@ -1,17 +1,29 @@
-"""HumanEval-format code tasks: load the problems, turn a model's answer into a program, run
-the program with the problem's tests in the sandbox (`swiftlm.eval.sandbox`).
+"""Code tasks: HumanEval-format problems, a model's answer turned into a program, the program
+run with the problem's tests in the sandbox (`sandbox.py`), scored `pass@1`.
 
-A problem is a dict with task_id, prompt (imports, helpers and the signature plus docstring of
-the function to write), canonical_solution (its body), test (a `check(candidate)` function)
-and entry_point (the function's name). A sample passes when `check(entry_point)` runs to the
-end without an exception.
+Rows: `prompt` + `test` + `entry_point` (and an optional `task_id`). A HumanEval problem is a
+dict with task_id, prompt (imports, helpers and the signature plus docstring of the function to
+write), canonical_solution (its body), test (a `check(candidate)` function) and entry_point (the
+function's name). A sample passes when `check(entry_point)` runs to the end without an
+exception. Chat models are asked for the whole function (`CODE_INSTRUCTION`); a model without a
+chat template continues the prompt.
 """
 
 import ast
 import re
 
+from swiftlm.data.formats import RowError
 from swiftlm.errors import ConfigError, DataError
-from swiftlm.eval.sandbox import SandboxResult, run_programs
+from swiftlm.evaluation.backends import Backend
+from swiftlm.evaluation.sandbox import SandboxResult, run_programs
+from swiftlm.evaluation.tasks import (
+    EvalSettings,
+    Sample,
+    Task,
+    conversation,
+    max_tokens,
+    sample_record,
+)
 
 INSTALL_HINT = "pip install 'swiftlm[eval]'"
 HUMANEVAL_FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
@@ -25,6 +37,12 @@ EXTRACTION_RULE = (
     "(imports and helper functions) + code without its `if __name__ == '__main__':` blocks; "
     "else code is a continuation of the prompt: program = prompt + code cut at the first "
     "\\nclass, \\ndef, \\n#, \\nif, \\nprint or \\n``` (the Codex paper's stop sequences)."
+)
+# Chat models are asked for the whole function (as EvalPlus's instruct prompt does); a model
+# without a chat template continues the prompt (HumanEval's original protocol).
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Answer with the complete function, including "
+    "its signature, in one ```python code block.\n\n```python\n{prompt}```"
 )
 CONTINUATION_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint", "\n```")
 
@@ -153,3 +171,53 @@ def check_completions(
         raise ValueError(f"{len(problems)} problems but {len(answers)} answers")
     programs = [program_for(p, extract_code(p, a)) for p, a in zip(problems, answers, strict=True)]
     return run_programs(programs, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb)
+
+
+def read_row(record: dict, placeholders: dict[str, str]) -> dict:
+    for key in ("prompt", "test", "entry_point"):
+        if not isinstance(record.get(key), str) or not record[key].strip():
+            raise RowError("bad code problem", f"'{key}' must be a non-empty string")
+    problem = {k: record[k] for k in ("prompt", "test", "entry_point")}
+    task_id = record.get("task_id")
+    sample = Sample(task_id if isinstance(task_id, str) else "", record["prompt"], extra=problem)
+    return {"sample": sample}
+
+
+def run(task: Task, backend: Backend, settings: EvalSettings, chat: bool) -> list[dict]:
+    problems = [s.extra for s in task.samples]
+    if chat:
+        prompts = [
+            [{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}]
+            for p in problems
+        ]
+        prompts = [conversation(task, p) for p in prompts]
+    else:
+        prompts = [p["prompt"] for p in problems]
+    answers = backend.generate(prompts, settings.sampling, max_tokens(task, settings))
+    programs = [extract_code(p, a) for p, a in zip(problems, answers, strict=True)]
+    results = check_completions(
+        problems,
+        programs,
+        timeout_s=settings.sandbox_timeout,
+        memory_mb=settings.sandbox_memory_mb,
+    )
+    records = []
+    for sample, answer, program, result in zip(
+        task.samples, answers, programs, results, strict=True
+    ):
+        scores = {"pass@1": float(result.status == "passed")}
+        records.append(
+            sample_record(
+                task,
+                sample,
+                answer,
+                scores,
+                extracted=program,
+                sandbox={
+                    "status": result.status,
+                    "detail": result.detail[-500:],
+                    "seconds": round(result.seconds, 3),
+                },
+            )
+        )
+    return records

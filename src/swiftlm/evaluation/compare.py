@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from swiftlm.errors import ConfigError, DataError
-from swiftlm.eval.stats import PairedDifference, paired_difference
+from swiftlm.evaluation.stats import PairedDifference, paired_difference
 
 PREDICTIONS = "predictions.jsonl"
 SUMMARY = "summary.json"

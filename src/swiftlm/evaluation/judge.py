@@ -1,4 +1,8 @@
-"""LLM-as-judge, pairwise: is the model's answer better than a baseline answer?
+"""Judge tasks, LLM-as-judge, pairwise: is the model's answer better than a baseline answer?
+
+Rows are generation rows (`generation.read_row`) with a `baseline` answer; a task YAML makes
+a task a judge task (`kind: judge`, optionally its own `judge_prompt`), and the judge is a
+served model (`--judge_url`).
 
 Judges prefer whichever answer they read first (or second) more often than chance, so each
 pair is judged twice with the answers' positions swapped. A sample scores 1 when the model's
@@ -14,6 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from swiftlm.errors import ConfigError
+from swiftlm.evaluation import generation
+from swiftlm.evaluation.backends import Backend
+from swiftlm.evaluation.tasks import EvalSettings, Task, answer_all, sample_record
 
 JUDGE_SYSTEM = (
     "Please act as an impartial judge and evaluate the quality of the responses provided by "
@@ -106,3 +113,30 @@ def _verdict(model_as_a: str, model_as_b: str) -> Verdict:
     as_b = {"A": "loss", "B": "win", "C": "tie", None: "tie"}
     unparsed = (first is None) + (second is None)
     return Verdict(as_a[first], as_b[second], unparsed, (model_as_a, model_as_b))
+
+
+read_row = generation.read_row
+
+
+def run(task: Task, backend: Backend, settings: EvalSettings, chat: bool) -> list[dict]:
+    records = run_generation_only(task, backend, settings)
+    verdicts = judge_pairs(settings.judge, task, records, task.options.get("judge_prompt"))
+    for record, verdict in zip(records, verdicts, strict=True):
+        record["scores"] = verdict.scores()
+        record["judge"] = verdict.as_json()
+    return records
+
+
+def run_generation_only(task: Task, backend: Backend, settings: EvalSettings) -> list[dict]:
+    answers = answer_all(task, backend, settings)
+    return [
+        sample_record(
+            task,
+            sample,
+            answer,
+            {},
+            extracted=answer.strip(),
+            baseline=sample.extra.get("baseline"),
+        )
+        for sample, answer in zip(task.samples, answers, strict=True)
+    ]

@@ -13,16 +13,16 @@ from datetime import datetime
 from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import UNUSED_FLAGS, EvalConfig, save_config
 from swiftlm.engine.build import engine_for_model
-from swiftlm.eval.backend import Sampling
-from swiftlm.eval.lm_eval_bridge import (
+from swiftlm.evaluation.backends import Sampling
+from swiftlm.evaluation.lm_eval_bridge import (
     flatten_results,
     flatten_stderrs,
     prepare_tasks,
     run_lm_eval,
 )
-from swiftlm.eval.stats import bootstrap_interval
-from swiftlm.evaluate.manifest import build_manifest, library_versions, local_model_entry
-from swiftlm.evaluate.output import PREDICTIONS, output_dir, write_json
+from swiftlm.evaluation.manifest import build_manifest, library_versions, local_model_entry
+from swiftlm.evaluation.output import PREDICTIONS, output_dir, write_json
+from swiftlm.evaluation.stats import bootstrap_interval
 
 
 def run_lm_eval_backend(cfg: EvalConfig) -> dict:

@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from swiftlm.eval.tasks import Task
+from swiftlm.evaluation.tasks import Task
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 LIBRARIES = ("swiftlm", "torch", "transformers", "peft", "lm_eval", "rouge-score", "sacrebleu")

@@ -23,26 +23,26 @@ from swiftlm.config.rules import check
 from swiftlm.engine.build import engine_for_model
 from swiftlm.engine.score import is_reward_model
 from swiftlm.errors import ConfigError
-from swiftlm.eval.backend import LocalBackend, Sampling
-from swiftlm.eval.compare import (
+from swiftlm.evaluation.backends import EndpointBackend, LocalBackend, Sampling
+from swiftlm.evaluation.compare import (
     compare_results,
     comparison_to_json,
     format_comparison,
     load_results,
 )
-from swiftlm.eval.endpoint import EndpointBackend
-from swiftlm.eval.runner import EvalSettings, run_task
-from swiftlm.eval.summary import format_summary, summarize
-from swiftlm.eval.task_file import check_not_empty, load_tasks
-from swiftlm.evaluate.contamination import contamination_section
-from swiftlm.evaluate.lm_eval_run import run_lm_eval_backend
-from swiftlm.evaluate.manifest import (
+from swiftlm.evaluation.contamination import contamination_section
+from swiftlm.evaluation.lm_eval_run import run_lm_eval_backend
+from swiftlm.evaluation.manifest import (
     build_manifest,
     endpoint_model_entry,
     local_model_entry,
     task_entry,
 )
-from swiftlm.evaluate.output import PREDICTIONS, output_dir, resolve_compare_folder, write_json
+from swiftlm.evaluation.output import PREDICTIONS, output_dir, resolve_compare_folder, write_json
+from swiftlm.evaluation.runner import run_task
+from swiftlm.evaluation.summary import format_summary, summarize
+from swiftlm.evaluation.task_file import check_not_empty, load_tasks
+from swiftlm.evaluation.tasks import EvalSettings
 
 
 def run(cfg: EvalConfig) -> dict:

@@ -1,16 +1,10 @@
-"""A task's summary: every metric's mean with its bootstrap interval.
+"""A task's summary: every metric's mean with its bootstrap interval (a perplexity task's
+`perplexity` too, a ratio over the whole task: `perplexity.perplexity_interval`), and the
+terminal table of an evaluation's summaries."""
 
-Perplexity is a ratio over the whole task (exp of the summed NLL over the summed tokens), so
-its interval comes from resampling samples and recomputing the ratio, not from averaging
-per-sample perplexities (which would weigh a short text as much as a long one).
-"""
-
-import math
-
-import numpy as np
-
-from swiftlm.eval.runner import TaskRun
-from swiftlm.eval.stats import bootstrap_interval
+from swiftlm.evaluation.perplexity import perplexity_interval
+from swiftlm.evaluation.runner import TaskRun
+from swiftlm.evaluation.stats import bootstrap_interval
 
 
 def summarize(run: TaskRun, confidence: float, resamples: int, seed: int) -> dict:
@@ -34,32 +28,6 @@ def summarize(run: TaskRun, confidence: float, resamples: int, seed: int) -> dic
         "source": run.task.source,
         "seconds": round(run.seconds, 3),
         "metrics": metrics,
-    }
-
-
-def perplexity_interval(records: list[dict], confidence: float, resamples: int, seed: int) -> dict:
-    nll = np.array([r["nll"] for r in records], dtype=float)
-    tokens = np.array([r["tokens"] for r in records], dtype=float)
-    value = math.exp(nll.sum() / max(tokens.sum(), 1.0))
-    if len(records) < 2:
-        return {
-            "mean": value,
-            "low": value,
-            "high": value,
-            "confidence": confidence,
-            "n": len(records),
-        }
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(records), size=(resamples, len(records)))
-    ratios = np.exp(nll[picks].sum(axis=1) / np.maximum(tokens[picks].sum(axis=1), 1.0))
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(ratios, [tail, 1 - tail])
-    return {
-        "mean": value,
-        "low": float(low),
-        "high": float(high),
-        "confidence": confidence,
-        "n": len(records),
     }
 
 

