@@ -77,11 +77,17 @@ def global_grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm(params, max_norm: float, pp_group=None) -> float:
     """Scale the gradients to a global norm of at most `max_norm`; return the norm before."""
-    params = [p for p in params if p.grad is not None]
-    total = global_grad_norm([p.grad for p in params], pp_group)
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = global_grad_norm(grads, pp_group)
     # torch's own coefficient (max_norm / (norm + 1e-6), at most 1), applied on the device:
-    # no wait for the norm before the gradients are scaled.
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    # no wait for the norm before the gradients are scaled. A sharded (DTensor) gradient is
+    # scaled through its local shard: a plain tensor may not meet a DTensor in one op.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.mul_(coef.to(local.device))
     return float(total)  # the step's one read of it: it decides the update and is logged
 
 
