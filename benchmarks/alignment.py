@@ -166,8 +166,8 @@ def swiftlm_dpo_batch(model_dir: Path, pairs: list[dict]):
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.methods import METHODS
     from swiftlm.methods.base import Layout
+    from swiftlm.methods.registry import METHODS
 
     flags = {"beta": BETA, "loss_type": "sigmoid", "max_length": 512}
     cfg = from_flat_dict(RLHFConfig, flags)
@@ -360,12 +360,12 @@ def grpo_commands(
 
 def swiftlm_has_grpo() -> str | None:
     """None when `swiftlm rlhf --rlhf_type grpo` can run, else why not."""
-    probe = "from swiftlm.methods import METHODS; print('grpo' in METHODS)"
+    probe = "from swiftlm.methods.registry import METHODS; print('grpo' in METHODS)"
     done = subprocess.run(
         [str(REPO / ".venv" / "bin" / "python"), "-c", probe], capture_output=True, text=True
     )
     if done.returncode or done.stdout.strip() != "True":
-        return "swiftlm has no GRPO method yet (swiftlm.methods.METHODS has no 'grpo')"
+        return "swiftlm has no GRPO method yet (swiftlm.methods.registry.METHODS has no 'grpo')"
     return None
 
 

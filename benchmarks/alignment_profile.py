@@ -18,9 +18,9 @@ import torch
 from swiftlm.config import RLHFConfig
 from swiftlm.config.parse import from_flat_dict
 from swiftlm.losses.causal_lm import token_cross_entropy
-from swiftlm.methods import METHODS
 from swiftlm.methods.base import Layout
 from swiftlm.methods.preference.dpo import answer_logps
+from swiftlm.methods.registry import METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "src" / "swiftlm" / "assets" / "concise_preference.jsonl"

@@ -189,7 +189,6 @@ def run_config(config: Config, models: dict, data: Path, steps: int, out: Path) 
 
 def estimate(config: Config, models: dict, only: list[str], budget_gib: float | None = None):
     """The planner's plan for `config`'s job on 2 CPU processes."""
-    from swiftlm.config.sections import TunerArguments
     from swiftlm.plan.devices import parse_devices
     from swiftlm.plan.memory import Job
     from swiftlm.plan.planner import make_plan
@@ -200,6 +199,7 @@ def estimate(config: Config, models: dict, only: list[str], budget_gib: float | 
         load_model_config,
         model_shape,
     )
+    from swiftlm.tuners.config import TunerArguments
 
     key = (config.model, config.train_type)
     if key not in SHAPES:

@@ -9,11 +9,11 @@ import pytest
 
 
 def _registries() -> list:
-    from swiftlm.config.sections_online import PLUGIN_REWARD_NAMES
     from swiftlm.data.row_formats import ROW_FORMATS
     from swiftlm.evaluation.task_file import BUILTIN_TASKS
     from swiftlm.losses.causal_lm import TOKEN_LOSSES
-    from swiftlm.methods import METHODS
+    from swiftlm.methods.config import RLHF_METHODS
+    from swiftlm.methods.registry import METHODS
     from swiftlm.methods.rl.rewards import REWARD_FUNCS
     from swiftlm.models.loader import MODEL_LOADERS
     from swiftlm.models.templates import CHAT_TEMPLATES
@@ -22,7 +22,7 @@ def _registries() -> list:
     from swiftlm.train.callbacks import CALLBACKS
 
     return [
-        PLUGIN_REWARD_NAMES, ROW_FORMATS, BUILTIN_TASKS, TOKEN_LOSSES, METHODS, REWARD_FUNCS,
+        RLHF_METHODS, ROW_FORMATS, BUILTIN_TASKS, TOKEN_LOSSES, METHODS, REWARD_FUNCS,
         MODEL_LOADERS, CHAT_TEMPLATES, TOOL_PARSERS, FORCED_CALL_TAGS, CALLBACKS, registry._OWNERS,
         loading._loaded, loading._files_done,
     ]  # fmt: skip
@@ -30,12 +30,10 @@ def _registries() -> list:
 
 @contextmanager
 def fresh_registries(entry_points_done: bool = True):
-    from swiftlm.config import sections_rlhf
     from swiftlm.plugins import loading
 
     saved = [copy.copy(registry) for registry in _registries()]
     was_done = loading._entry_points_done
-    rlhf_dicts = [(d, dict(d)) for d in (sections_rlhf.LOSS_TYPES, sections_rlhf.DEFAULT_BETA)]
     loading._entry_points_done = entry_points_done  # the test environment's own: none
     try:
         yield
@@ -47,9 +45,6 @@ def fresh_registries(entry_points_done: bool = True):
                 registry.clear()
                 registry.update(before)
         loading._entry_points_done = was_done
-        for table, before in rlhf_dicts:
-            table.clear()
-            table.update(before)
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ def test_every_strategy_implements_the_whole_protocol():
     """The loop calls these without probing: each strategy class must define them all."""
     import torch
 
-    from swiftlm.config.sections_dist import DistArguments
+    from swiftlm.distributed.config import DistArguments
     from swiftlm.distributed.env import DistContext
     from swiftlm.distributed.pp import PipelineParallelStrategy
     from swiftlm.distributed.spmd import SPMDStrategy

@@ -92,8 +92,8 @@ def loss_on_three_pairs(model_dir, flags: dict):
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.methods import METHODS
     from swiftlm.methods.base import Layout
+    from swiftlm.methods.registry import METHODS
 
     cfg = from_flat_dict(RLHFConfig, {**flags, "max_length": 64})
     method = METHODS[cfg.rlhf.rlhf_type](cfg, AutoTokenizer.from_pretrained(model_dir))

@@ -39,8 +39,8 @@ def method_batches_model(model_dir, flags: dict, groups=((0, 1, 2), (3, 4))):
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.methods import METHODS
     from swiftlm.methods.base import Layout
+    from swiftlm.methods.registry import METHODS
 
     cfg = from_flat_dict(RLHFConfig, {**flags, "max_length": 64})
     method = METHODS["dpo"](cfg, AutoTokenizer.from_pretrained(model_dir))

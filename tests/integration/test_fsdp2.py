@@ -16,7 +16,7 @@ from conftest import logged, stopped_at
 from swiftlm.checkpoint import COMPLETE, mark_complete_when_written
 from swiftlm.checkpoint.sharded import PendingSave
 from swiftlm.cli.main import main
-from swiftlm.config.sections_dist import DistArguments
+from swiftlm.distributed.config import DistArguments
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.strategy import plan_parallelism
 from swiftlm.errors import CheckpointError, ConfigError

@@ -179,7 +179,7 @@ def test_incremental_checkpoints_refused_for_sharded_engines(tiny_model_dir, cha
     assert "FSDP2 writes its own checkpoint format" in capsys.readouterr().err
     from swiftlm.config.commands import TrainConfig
     from swiftlm.config.rules import failures
-    from swiftlm.config.sections_dist import DistArguments
+    from swiftlm.distributed.config import DistArguments
 
     for flags, engine in (
         (dict(deepspeed="zero2"), "DeepSpeed"),

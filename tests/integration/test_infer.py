@@ -10,18 +10,14 @@ import pytest
 import torch
 
 from swiftlm.checkpoint.resolve import resolve_inference_model
-from swiftlm.config import (
-    DataArguments,
-    GenerationArguments,
-    InferConfig,
-    ModelArguments,
-    TrainConfig,
-    save_config,
-)
+from swiftlm.config import InferConfig, TrainConfig, save_config
+from swiftlm.data.config import DataArguments
+from swiftlm.engine.config import GenerationArguments
 from swiftlm.errors import CheckpointError, ConfigError, DataError
 from swiftlm.infer import run as run_module
 from swiftlm.infer.frontend import ChatEngine, build_chat_engine
 from swiftlm.infer.run import run
+from swiftlm.models.config import ModelArguments
 from tolerance import assert_close, forward_terms
 
 SYSTEM = "You are Swifty."

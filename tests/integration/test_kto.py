@@ -42,7 +42,7 @@ def method_and_model(model_dir, flags: dict, rows=ROWS[:4], seed: int = 0):
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.methods import METHODS
+    from swiftlm.methods.registry import METHODS
 
     flat = {"rlhf_type": "kto", "per_device_train_batch_size": 4, **flags, "max_length": 64}
     cfg = from_flat_dict(RLHFConfig, flat)

@@ -141,8 +141,8 @@ def build_batch(model_dir, rows, train_type="lora"):
 
     from swiftlm.config import RLHFConfig
     from swiftlm.config.parse import from_flat_dict
-    from swiftlm.methods import METHODS
     from swiftlm.methods.base import Layout
+    from swiftlm.methods.registry import METHODS
     from swiftlm.models.loader import SEQUENCE_CLASSIFICATION, load_model
 
     cfg = from_flat_dict(RLHFConfig, {"rlhf_type": "rm", "max_length": 64})

@@ -7,7 +7,7 @@ from swiftlm.cli.main import main
 from swiftlm.config import TrainConfig
 from swiftlm.config.checks import Facts
 from swiftlm.config.rules import check
-from swiftlm.config.sections_dist import DistArguments
+from swiftlm.distributed.config import DistArguments
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.strategy import plan_parallelism
 from swiftlm.distributed.tp import check_divisible, layer_plan

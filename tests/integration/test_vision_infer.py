@@ -16,10 +16,12 @@ import torch
 
 from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.cli.main import main
-from swiftlm.config import GenerationArguments, InferConfig, ModelArguments
+from swiftlm.config import InferConfig
 from swiftlm.data.rows import RowError
+from swiftlm.engine.config import GenerationArguments
 from swiftlm.infer.chat_images import question_content
 from swiftlm.infer.frontend import VisionChatEngine, build_chat_engine
+from swiftlm.models.config import ModelArguments
 from vlm_helpers import build_llava, colour_rows, write_picture
 
 NEW_TOKENS = 8
@@ -355,7 +357,7 @@ def test_a_runs_max_pixels_is_inherited_unless_set():
     from types import SimpleNamespace
 
     from swiftlm.checkpoint.resolve import _inherit_max_pixels
-    from swiftlm.config import DataArguments
+    from swiftlm.data.config import DataArguments
 
     run = SimpleNamespace(run_config=SimpleNamespace(data=DataArguments(max_pixels=4096)))
     assert _inherit_max_pixels(InferConfig(), run) == 4096

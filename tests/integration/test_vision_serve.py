@@ -24,9 +24,11 @@ openai = pytest.importorskip("openai")
 from serve_helpers import ServerThread, SlowEngine, free_port  # noqa: E402
 
 from swiftlm.checkpoint.resolve import resolve_inference_model  # noqa: E402
-from swiftlm.config import GenerationArguments, InferConfig, ModelArguments  # noqa: E402
+from swiftlm.config import InferConfig  # noqa: E402
+from swiftlm.engine.config import GenerationArguments  # noqa: E402
 from swiftlm.infer.chat_images import question_content  # noqa: E402
 from swiftlm.infer.frontend import build_chat_engine  # noqa: E402
+from swiftlm.models.config import ModelArguments  # noqa: E402
 from vlm_helpers import build_llava, write_picture  # noqa: E402
 
 NEW_TOKENS = 8

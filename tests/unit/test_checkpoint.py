@@ -23,7 +23,7 @@ from swiftlm.checkpoint.tensors import (
     optimizer_to_files,
     restore_rng,
 )
-from swiftlm.config.sections_dist import DistArguments
+from swiftlm.distributed.config import DistArguments
 from swiftlm.distributed.env import DistContext
 from swiftlm.distributed.strategy import build_strategy
 from swiftlm.errors import CheckpointError

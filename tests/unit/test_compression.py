@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed import compression as gc
+from swiftlm.distributed.config import DistArguments
 from swiftlm.errors import ConfigError
 
 

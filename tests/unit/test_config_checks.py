@@ -9,24 +9,23 @@ import yaml
 
 from swiftlm.cli.main import main
 from swiftlm.config import (
-    DataArguments,
-    DistArguments,
-    ExportArguments,
     ExportConfig,
-    GenerationArguments,
-    InferArguments,
     InferConfig,
-    OutputArguments,
-    QuantArguments,
-    TrainArguments,
     TrainConfig,
-    TunerArguments,
     load_saved_config,
     parse_config,
     save_config,
 )
 from swiftlm.config.checks import above, at_least, check_fields, within
+from swiftlm.data.config import DataArguments
+from swiftlm.distributed.config import DistArguments
+from swiftlm.engine.config import GenerationArguments
 from swiftlm.errors import ConfigError
+from swiftlm.export.config import ExportArguments
+from swiftlm.infer.config import InferArguments
+from swiftlm.models.config import QuantArguments
+from swiftlm.train.config import OutputArguments, TrainArguments
+from swiftlm.tuners.config import TunerArguments
 
 SECTIONS = [
     DataArguments,

@@ -8,7 +8,7 @@ import pytest
 
 from swiftlm.config import TrainConfig, parse_config
 from swiftlm.config.rules import failures
-from swiftlm.config.sections_dist import DistArguments
+from swiftlm.distributed.config import DistArguments
 from swiftlm.distributed.launch import elastic_argv, torchrun_command, worker_environment
 from swiftlm.errors import CheckpointError, ConfigError
 from swiftlm.train.batching import (

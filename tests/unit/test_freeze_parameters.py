@@ -5,8 +5,8 @@ import pytest
 from conftest import make_tiny_llama
 from swiftlm.config.commands import TrainConfig
 from swiftlm.config.rules import failures
-from swiftlm.config.sections import TunerArguments
 from swiftlm.errors import ConfigError
+from swiftlm.tuners.config import TunerArguments
 from swiftlm.tuners.setup import apply_tuner
 
 

@@ -4,8 +4,8 @@ import pytest
 
 from swiftlm.config.commands import TrainConfig
 from swiftlm.config.parse import parse_config
-from swiftlm.config.sections_monitor import parse_step_range
 from swiftlm.errors import ConfigError
+from swiftlm.monitor.config import parse_step_range
 
 
 def test_step_ranges():

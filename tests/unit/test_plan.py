@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from swiftlm.config.sections import TunerArguments
 from swiftlm.errors import ConfigError
 from swiftlm.plan.devices import GIB, parse_devices
 from swiftlm.plan.layouts import DDP, FSDP2, ZERO2, ZERO3, Layout, candidate_layouts
 from swiftlm.plan.memory import Job, activation_bytes, activation_bytes_per_token, estimate_memory
 from swiftlm.plan.planner import TIE_TOLERANCE, make_plan
 from swiftlm.plan.shape import model_shape
+from swiftlm.tuners.config import TunerArguments
 
 TINY = dict(
     vocab_size=320,

@@ -147,7 +147,7 @@ def test_bad_callbacks_are_refused_and_a_raising_one_names_its_plugin(tmp_path):
 
 def test_templates_parsers_tasks_and_loaders_reach_their_registries(tiny_model_dir, tmp_path):
     from swiftlm.evaluation.task_file import BUILTIN_TASKS
-    from swiftlm.methods import METHODS
+    from swiftlm.methods.registry import METHODS
     from swiftlm.methods.sft import SFT
     from swiftlm.models.loader import load_model, load_tokenizer
     from swiftlm.serve.tools import ParsedCall, tool_message
@@ -185,3 +185,29 @@ def test_templates_parsers_tasks_and_loaders_reach_their_registries(tiny_model_d
     assert isinstance(model, torch.nn.Linear)
     with pytest.raises(PluginError, match="needs model_types or a prefix"):
         plugins.register_model_loader("nowhere", build)
+
+
+def test_an_rlhf_method_reads_only_the_flags_it_declares():
+    from swiftlm.config.commands import UNUSED_FLAGS, RLHFConfig
+    from swiftlm.config.parse import parse_config
+    from swiftlm.methods.preference.dpo import DPO
+
+    class Weighted(DPO):
+        pass
+
+    def parse(*argv):
+        return parse_config(RLHFConfig, list(argv), "swiftlm rlhf", "", UNUSED_FLAGS["rlhf"])
+
+    plugins.register_method(
+        "weighted", Weighted, rlhf=True, loss_types=("sigmoid", "ipo"), beta=0.3,
+        reads=("ref_model",),
+    )  # fmt: skip
+    cfg = parse("--rlhf_type", "weighted", "--ref_model", "ref-folder")
+    assert (cfg.rlhf.beta, cfg.rlhf.loss_type, cfg.rlhf.ref_model) == (0.3, "sigmoid", "ref-folder")
+    with pytest.raises(ConfigError, match="--rpo_alpha is not used by --rlhf_type weighted "
+                                          r"\(read by --rlhf_type dpo\)"):  # fmt: skip
+        parse("--rlhf_type", "weighted", "--rpo_alpha", "0.5")
+    with pytest.raises(ConfigError, match="--rlhf_type weighted accepts sigmoid, ipo"):
+        parse("--rlhf_type", "weighted", "--loss_type", "hinge")
+    with pytest.raises(PluginError, match="reads ref_modle, which no section of swiftlm rlhf has"):
+        plugins.register_method("typo", Weighted, rlhf=True, reads=("ref_modle",))

@@ -57,9 +57,11 @@ def test_a_file_plugin_is_loaded_once_and_extends_the_flags_choices(tmp_path, ca
     assert err.count(f"swiftlm: loaded plugins: plugin file {path}") == 1
     assert loaded_plugins() == [f"plugin file {path}"]
     assert load_plugins([str(path)]) == []  # lazily, once per process
+    from swiftlm.methods.rl.config import GRPOArguments
     from swiftlm.methods.rl.rewards import REWARD_FUNCS
 
-    assert REWARD_FUNCS["shout"](completions=["AB", "ab"]) == [1.0, 0.0]
+    shout = REWARD_FUNCS["shout"](GRPOArguments())  # the builder gives the plugin's function
+    assert shout(completions=["AB", "ab"]) == [1.0, 0.0]
 
 
 def test_without_the_plugin_the_name_is_refused(capsys):

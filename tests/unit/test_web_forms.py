@@ -6,8 +6,9 @@ import dataclasses
 import pytest
 
 from swiftlm.config import TrainConfig, parse_config
-from swiftlm.config.sections import TrainArguments, TunerArguments
 from swiftlm.errors import ConfigError, DataError
+from swiftlm.train.config import TrainArguments
+from swiftlm.tuners.config import TunerArguments
 from swiftlm.web.forms import build_argv, command_line, form_schema, parse_checked
 
 

@@ -1,27 +1,25 @@
-"""Command configs: each is a composition of typed sections (see `sections.py`)."""
+"""Command configs: each is a composition of typed sections (see `config/sections.py`)."""
 
 from dataclasses import dataclass, field, fields
 
-from swiftlm.config.sections import (
-    DataArguments,
-    ModelArguments,
-    OutputArguments,
-    OverwriteArguments,
-    QuantArguments,
-    TrainArguments,
-    TunerArguments,
-)
-from swiftlm.config.sections_dist import DistArguments
-from swiftlm.config.sections_eval import EvalArguments, TrainEvalArguments
-from swiftlm.config.sections_infer import ExportArguments, GenerationArguments, InferArguments
-from swiftlm.config.sections_monitor import MonitorArguments
-from swiftlm.config.sections_online import GKDArguments, GRPOArguments, settle_online
-from swiftlm.config.sections_plan import PlanArguments
-from swiftlm.config.sections_plugins import PluginArguments, TrainPluginArguments
-from swiftlm.config.sections_report import ReportArguments
-from swiftlm.config.sections_rlhf import RLHFArguments
-from swiftlm.config.sections_serve import DeployArguments
-from swiftlm.config.sections_web import WebArguments
+from swiftlm.config.sections import OverwriteArguments
+from swiftlm.data.config import DataArguments
+from swiftlm.distributed.config import DistArguments
+from swiftlm.engine.config import GenerationArguments
+from swiftlm.evaluation.config import EvalArguments, TrainEvalArguments
+from swiftlm.export.config import ExportArguments
+from swiftlm.infer.config import InferArguments
+from swiftlm.methods.config import RLHFArguments, settle_online
+from swiftlm.methods.rl.config import GKDArguments, GRPOArguments
+from swiftlm.models.config import ModelArguments, QuantArguments
+from swiftlm.monitor.config import MonitorArguments
+from swiftlm.plan.config import PlanArguments
+from swiftlm.plugins.config import PluginArguments, TrainPluginArguments
+from swiftlm.report.config import ReportArguments
+from swiftlm.serve.config import DeployArguments
+from swiftlm.train.config import OutputArguments, TrainArguments
+from swiftlm.tuners.config import TunerArguments
+from swiftlm.web.config import WebArguments
 
 
 @dataclass
@@ -51,7 +49,7 @@ class RLHFConfig(TrainConfig):
     plugins: PluginArguments = field(default_factory=PluginArguments)
 
     def __post_init__(self):
-        settle_online(self.rlhf.rlhf_type, self.grpo, self.gkd)
+        settle_online(self.rlhf, self.grpo, self.gkd)
 
 
 @dataclass

@@ -18,8 +18,9 @@ import yaml
 
 from swiftlm.config.argv import ALIASES, auto_to_number, merge_repeated_flags, normalize_flag
 from swiftlm.config.ms_swift import print_notes, translate_argv, translate_mapping, unsupported_hint
-from swiftlm.config.sections import AUTO_BATCH_SIZE, flag_type
+from swiftlm.config.sections import flag_type
 from swiftlm.errors import ConfigError
+from swiftlm.train.config import AUTO_BATCH_SIZE
 
 C = TypeVar("C")
 

@@ -16,9 +16,9 @@ from swiftlm.config.rules_export import (
 )
 from swiftlm.config.rules_run_dir import RUN_DIR_RULES
 from swiftlm.config.rules_streaming import STREAMING_RULES
-from swiftlm.config.sections import AUTO_BATCH_SIZE
-from swiftlm.config.sections_dist import DistArguments, node_range
+from swiftlm.distributed.config import DistArguments, node_range
 from swiftlm.errors import ConfigError
+from swiftlm.train.config import AUTO_BATCH_SIZE
 
 
 def failures(cfg: Any, facts: Facts | None = None) -> list[tuple[str, str]]:

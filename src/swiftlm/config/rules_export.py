@@ -3,7 +3,7 @@ quantization settings each takes, and the calibration data they need."""
 
 from swiftlm.config.checks import Facts, Rule
 from swiftlm.config.commands import ExportConfig
-from swiftlm.config.sections import QuantArguments
+from swiftlm.models.config import QuantArguments
 
 BNB_BITS = (4, 8)
 

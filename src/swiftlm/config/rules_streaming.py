@@ -4,7 +4,7 @@ read once in file order by one process, and is never held whole."""
 import re
 
 from swiftlm.config.checks import Rule
-from swiftlm.config.sections import AUTO_BATCH_SIZE
+from swiftlm.train.config import AUTO_BATCH_SIZE
 
 
 def _sampled(specs: list[str]) -> str | None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from swiftlm.errors import DataError
 
 if TYPE_CHECKING:
-    from swiftlm.config import DataArguments
+    from swiftlm.data.config import DataArguments
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed.comm_timing import CommTimer, timed
 from swiftlm.distributed.compression_checkpoint import CompressionCheckpoint, PowerSGDLayouts
+from swiftlm.distributed.config import DistArguments
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 # Top-k sends each kept entry as an fp16 value and an int16 position inside its block of

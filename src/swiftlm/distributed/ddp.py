@@ -8,8 +8,8 @@ buckets over the mesh's "dp" dimension (the whole world, or a pipeline stage's r
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed.compression import CommStats, register_compression
+from swiftlm.distributed.config import DistArguments
 
 
 def apply_ddp(

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from swiftlm.config.sections_dist import DistArguments, node_range
+from swiftlm.distributed.config import DistArguments, node_range
 from swiftlm.distributed.failures import ELASTIC_ENV
 from swiftlm.distributed.signals import call_forwarding_signals
 

@@ -17,10 +17,10 @@ from torch.nn.parallel import DistributedDataParallel
 from swiftlm.checkpoint import replicated, sharded
 from swiftlm.checkpoint.async_write import BackgroundWriter, Staging
 from swiftlm.checkpoint.folders import save_pretrained_atomically
-from swiftlm.config.sections_dist import DistArguments
 from swiftlm.distributed import gradients
 from swiftlm.distributed.comm_timing import CommTimer, probe_bus_bandwidth
 from swiftlm.distributed.compression import CommStats
+from swiftlm.distributed.config import DistArguments
 from swiftlm.distributed.ddp import compress_gradients
 from swiftlm.distributed.env import DistContext
 from swiftlm.distributed.fsdp2 import SkippedModules, reshard

@@ -18,11 +18,11 @@ from typing import Protocol
 
 import torch
 
-from swiftlm.config.sections import TrainArguments
-from swiftlm.config.sections_dist import DistArguments
+from swiftlm.distributed.config import DistArguments
 from swiftlm.distributed.env import DistContext
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.parallelize import ParallelizeOptions
+from swiftlm.train.config import TrainArguments
 
 
 class Strategy(Protocol):

@@ -17,11 +17,11 @@ import torch
 
 from swiftlm.checkpoint.deepspeed import load_engine_state, save_engine_state
 from swiftlm.checkpoint.folders import save_pretrained_atomically
-from swiftlm.config.sections import TrainArguments
 from swiftlm.distributed.env import DistContext, init_single_process_group
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.parallelize import ParallelizeOptions, parallelize, vision_modules
 from swiftlm.errors import ConfigError
+from swiftlm.train.config import TrainArguments
 
 BUILTIN_CONFIGS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 

@@ -18,10 +18,10 @@ folders, adapter folders, the model's flags.
 import warnings
 from dataclasses import dataclass
 
-from swiftlm.config import ModelArguments
 from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
 from swiftlm.engine.vision import VisionEngine, build_vision_engine, is_vision_model
 from swiftlm.errors import ModelLoadError
+from swiftlm.models.config import ModelArguments
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from swiftlm.config import ModelArguments
 from swiftlm.data.collate import collate
 from swiftlm.data.columns import given, refuse_media_parts
 from swiftlm.data.encode import encode_chat
 from swiftlm.data.formats import chat_sample
 from swiftlm.data.rows import RowError
 from swiftlm.engine.build import InferenceModel, apply_adapters
+from swiftlm.models.config import ModelArguments
 from swiftlm.models.loader import (
     SEQUENCE_CLASSIFICATION,
     load_model,

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from swiftlm.config.sections_infer import GenerationArguments
+from swiftlm.engine.config import GenerationArguments
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams, user_sampling
 from swiftlm.errors import DataError, SwiftLMError

@@ -12,12 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from swiftlm.checkpoint.resolve import resolve_inference_model
-from swiftlm.config import (
-    UNUSED_FLAGS,
-    EvalConfig,
-    ModelArguments,
-    save_config,
-)
+from swiftlm.config import UNUSED_FLAGS, EvalConfig, save_config
 from swiftlm.config.parse import load_run_config
 from swiftlm.config.rules import check
 from swiftlm.engine.build import engine_for_model
@@ -43,6 +38,7 @@ from swiftlm.evaluation.runner import run_task
 from swiftlm.evaluation.summary import format_summary, summarize
 from swiftlm.evaluation.task_file import check_not_empty, load_tasks
 from swiftlm.evaluation.tasks import EvalSettings
+from swiftlm.models.config import ModelArguments
 
 
 def run(cfg: EvalConfig) -> dict:

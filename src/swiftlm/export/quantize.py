@@ -38,7 +38,6 @@ import torch
 
 from swiftlm.config import ExportConfig
 from swiftlm.config.rules_export import CALIBRATED_BITS, GROUP_SIZES, TORCHAO_BITS
-from swiftlm.config.sections import QuantArguments
 from swiftlm.errors import ConfigError, ExportCheckError
 from swiftlm.export.checks import (
     check_folder_read_back,
@@ -47,6 +46,7 @@ from swiftlm.export.checks import (
     source_perplexity,
 )
 from swiftlm.export.source import ExportSource
+from swiftlm.models.config import QuantArguments
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
 from swiftlm.models.quant import (
     bnb_bits,

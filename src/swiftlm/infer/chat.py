@@ -13,8 +13,8 @@ whose tags and images do not pair up is refused with a line saying why, and not 
 import contextlib
 import sys
 
-from swiftlm.config import GenerationArguments
 from swiftlm.data.rows import RowError
+from swiftlm.engine.config import GenerationArguments
 from swiftlm.errors import ConfigError
 from swiftlm.infer.chat_images import IMAGE_COMMAND, question_content, resolve_references
 from swiftlm.infer.frontend import InferEngine

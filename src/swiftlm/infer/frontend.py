@@ -13,8 +13,8 @@ import queue
 from collections.abc import Iterator
 from typing import Protocol
 
-from swiftlm.config import GenerationArguments, ModelArguments
 from swiftlm.engine.build import InferenceModel, engine_for_model
+from swiftlm.engine.config import GenerationArguments
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import (
     GenerationFailed,
@@ -24,6 +24,7 @@ from swiftlm.engine.protocol import (
     user_sampling,
 )
 from swiftlm.engine.vision import VisionEngine
+from swiftlm.models.config import ModelArguments
 
 
 class AnswersFailed(RuntimeError):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 # The loss types `--loss_type` offers, defined once with the flag.
-from swiftlm.config.sections_rlhf import CPO_LOSS_TYPES, DPO_LOSS_TYPES, KTO_LOSS_TYPES
+from swiftlm.losses.loss_types import CPO_LOSS_TYPES, DPO_LOSS_TYPES, KTO_LOSS_TYPES
 
 # exo_pair takes log(eps) of the label smoothing; TRL uses 1e-3 when it is 0.
 _EXO_DEFAULT_EPSILON = 1e-3

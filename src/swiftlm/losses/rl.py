@@ -23,7 +23,7 @@ the loop divides by the normalizer summed over the step's micro-batches and rank
 
 import torch
 
-from swiftlm.config.sections_rlhf import GRPO_LOSS_TYPES  # what --loss_type offers
+from swiftlm.losses.loss_types import GRPO_LOSS_TYPES  # what --loss_type offers
 
 STD_EPSILON = 1e-4  # TRL's: keeps a group with near-equal rewards from exploding
 

@@ -1,30 +1,5 @@
-"""Training methods, one module each. A new method is a module here and one line below.
-
-`METHODS` maps a method name (the subcommand, or `swiftlm rlhf --rlhf_type`) to its class; the
-class is built per run as `cls(cfg, tokenizer)` and must satisfy `methods.base.Method`. The
-optional capabilities (a reference model's values computed once, sampling its own training
-data each step, state kept across steps, evaluation other than the loss) are the overridable
-members of `methods.base.MethodDefaults`.
+"""Training methods: the contract (`base.py`), the token methods (`sft.py`, `pt.py`), the
+preference methods (`preference/`) and the online ones (`rl/`). `registry.METHODS` maps a
+name to its class; `config.py` is the rlhf section and what each rlhf method reads of the
+flags. Importing this package loads no method (and no torch), so parsing stays fast.
 """
-
-from swiftlm.methods.preference.dpo import DPO
-from swiftlm.methods.preference.kto import KTO
-from swiftlm.methods.preference.reference_free import CPO, ORPO, SimPO
-from swiftlm.methods.preference.reward_model import RewardModel
-from swiftlm.methods.pt import PT
-from swiftlm.methods.rl.gkd import GKD
-from swiftlm.methods.rl.grpo import GRPO
-from swiftlm.methods.sft import SFT
-
-METHODS = {
-    "sft": SFT,
-    "pt": PT,
-    "dpo": DPO,
-    "simpo": SimPO,
-    "orpo": ORPO,
-    "cpo": CPO,
-    "kto": KTO,
-    "rm": RewardModel,
-    "grpo": GRPO,
-    "gkd": GKD,
-}

@@ -14,8 +14,8 @@ import logging
 
 import torch
 
-from swiftlm.config.sections import QuantArguments
 from swiftlm.errors import ConfigError
+from swiftlm.models.config import QuantArguments
 
 INSTALL_HINT = "pip install 'swiftlm[quant]'"
 

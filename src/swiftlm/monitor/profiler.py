@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from swiftlm.config.sections_monitor import parse_step_range
+from swiftlm.monitor.config import parse_step_range
 from swiftlm.monitor.oom import oom_history_on, start_oom_history
 
 PROFILE_FOLDER = "profile"

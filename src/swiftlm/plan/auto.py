@@ -13,7 +13,7 @@ only on the flags, the model's config and the devices, so a resumed run gets the
 
 import importlib.util
 
-from swiftlm.config.sections_dist import node_range
+from swiftlm.distributed.config import node_range
 from swiftlm.errors import SwiftLMError
 from swiftlm.plan.devices import GIB, GPUS, Cluster, parse_devices
 

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 from swiftlm.config.commands import PlanConfig
-from swiftlm.config.sections import TunerArguments
 from swiftlm.errors import ConfigError
 from swiftlm.plan.devices import GIB, Cluster, parse_devices
 from swiftlm.plan.memory import Job
@@ -20,6 +19,7 @@ from swiftlm.plan.shape import (
     model_shape,
 )
 from swiftlm.plan.timing import CPU_EFFICIENCY, GPU_EFFICIENCY
+from swiftlm.tuners.config import TunerArguments
 
 COLUMNS = ("weights", "grads", "optim", "activ", "logits", "buffers", "peak", "step s")
 

@@ -9,8 +9,8 @@ adapters peft would add for --train_type lora.
 from dataclasses import dataclass
 from pathlib import Path
 
-from swiftlm.config.sections import TunerArguments
 from swiftlm.errors import ConfigError, ModelLoadError
+from swiftlm.tuners.config import TunerArguments
 
 
 @dataclass(frozen=True)

@@ -70,20 +70,17 @@ def register_reward(name: str, reward: Callable, *, replace: bool = False) -> No
     """A GRPO reward function, chosen with `--reward_funcs NAME`: called once per rollout
     batch as `reward(prompts=, completions=, completion_ids=, **row_columns)` -> one float
     per completion (TRL's convention). A reward that raises stops the run, naming the plugin."""
-    from swiftlm.config.sections_online import BUILTIN_REWARDS, PLUGIN_REWARD_NAMES
     from swiftlm.methods.rl.rewards import REWARD_FUNCS
 
-    me = _claim(
-        "reward function", name, {**dict.fromkeys(BUILTIN_REWARDS), **REWARD_FUNCS}, replace
-    )
+    me = _claim("reward function", name, REWARD_FUNCS, replace)
     if ":" in name:
         raise PluginError(f"{me}: reward name {name!r} must not contain ':' (file.py:function)")
     check_callable(
         reward, f"reward {name!r}", me, needs_kwargs=True, prompts=[], completions=[],
         completion_ids=[],
     )  # fmt: skip
-    REWARD_FUNCS[name] = guarded(reward, f"reward function {name!r}", me)
-    PLUGIN_REWARD_NAMES.add(name)
+    guarded_reward = guarded(reward, f"reward function {name!r}", me)
+    REWARD_FUNCS[name] = lambda grpo_args: guarded_reward  # the same function whatever the flags
 
 
 def register_method(
@@ -93,16 +90,18 @@ def register_method(
     rlhf: bool = False,
     loss_types: tuple[str, ...] = (),
     beta: float | None = None,
+    reads: tuple[str, ...] = (),
     replace: bool = False,
 ) -> None:
     """A training method (`methods.base.Method`: to_sample, encode, collate, normalizer,
     loss ...), built per run as `method_class(cfg, tokenizer)`. With `rlhf=True` it is run
     by `swiftlm rlhf --rlhf_type NAME` (cfg an RLHFConfig); `loss_types` are the values its
-    `--loss_type` accepts (the first is the default; none: the flag is refused) and `beta`
-    the default of `--beta` (None: the flag is refused). From Python, any registered method
-    runs with `swiftlm.train.run.run(cfg, NAME)`."""
-    from swiftlm.methods import METHODS
+    `--loss_type` accepts (the first is the default; none: the flag is refused), `beta` the
+    default of `--beta` (None: the flag is refused) and `reads` the other flags of the rlhf,
+    grpo and gkd sections it reads (e.g. "ref_model"; any other one given is refused). From
+    Python, any registered method runs with `swiftlm.train.run.run(cfg, NAME)`."""
     from swiftlm.methods.base import missing_members
+    from swiftlm.methods.registry import METHODS
 
     me = _claim("training method", name, METHODS, replace)
     if not inspect.isclass(method_class):
@@ -113,18 +112,32 @@ def register_method(
             f"{me}: training method {name!r} ({method_class.__name__}) lacks {', '.join(missing)} "
             "(see swiftlm.methods.base.Method)"
         )
+    flags = _rlhf_flags(me, name, tuple(loss_types), beta, tuple(reads)) if rlhf else None
     METHODS[name] = method_class
-    if rlhf:
-        _add_rlhf_type(name, tuple(loss_types), beta)
+    if flags is not None:
+        from swiftlm.methods.config import RLHF_METHODS
+
+        RLHF_METHODS[name] = flags  # a choice of --rlhf_type from now on
 
 
-def _add_rlhf_type(name: str, loss_types: tuple[str, ...], beta: float | None) -> None:
-    """Make `name` a choice of `--rlhf_type`: a row of the section's method tables, which
-    the flag's choices are read from when a parser or form is built."""
-    from swiftlm.config import sections_rlhf
+def _rlhf_flags(me: str, name: str, loss_types, beta, reads):
+    """The method's `MethodFlags`, after checking that each flag it reads exists."""
+    from dataclasses import fields
 
-    sections_rlhf.LOSS_TYPES[name] = loss_types
-    sections_rlhf.DEFAULT_BETA[name] = beta
+    from swiftlm.methods.config import RLHFArguments
+    from swiftlm.methods.flags import MethodFlags
+    from swiftlm.methods.rl.config import GKDArguments, GRPOArguments
+
+    known = {
+        f.name for section in (RLHFArguments, GRPOArguments, GKDArguments) for f in fields(section)
+    }
+    unknown = [flag for flag in reads if flag not in known]
+    if unknown:
+        raise PluginError(
+            f"{me}: training method {name!r} reads {', '.join(unknown)}, which no section of "
+            f"swiftlm rlhf has (its flags: {', '.join(sorted(known))})"
+        )
+    return MethodFlags(loss_types=loss_types, beta=beta, reads=frozenset(reads))
 
 
 def register_chat_template(model_type: str, template: str, *, replace: bool = False) -> None:

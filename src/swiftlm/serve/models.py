@@ -10,10 +10,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swiftlm.checkpoint.resolve import resolve_inference_model
-from swiftlm.config import DeployConfig, InferArguments, InferConfig
+from swiftlm.config import DeployConfig, InferConfig
 from swiftlm.engine.build import InferenceModel
 from swiftlm.engine.score import is_reward_adapter, is_reward_model
 from swiftlm.errors import ConfigError
+from swiftlm.infer.config import InferArguments
 from swiftlm.serve.translate import ServedModels
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from swiftlm.config import TrainConfig
 from swiftlm.config.checks import flag_values
-from swiftlm.config.sections_dist import node_range
+from swiftlm.distributed.config import node_range
 from swiftlm.errors import CheckpointError, ConfigError
 from swiftlm.train.batching import BatchPlan, DataPosition, convert_position, micro_batch_units
 

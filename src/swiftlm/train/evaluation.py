@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 
 from swiftlm.checkpoint import checkpoint_dir
-from swiftlm.config.sections_eval import TrainEvalArguments
 from swiftlm.errors import ConfigError
+from swiftlm.evaluation.config import TrainEvalArguments
 from swiftlm.evaluation.live import LiveEvaluator, load_training_tasks
 from swiftlm.methods.reference import unwrapped
 from swiftlm.models.loader import CAUSAL_LM

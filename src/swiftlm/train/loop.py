@@ -18,19 +18,19 @@ from pathlib import Path
 
 import torch
 
-from swiftlm.config.sections import OutputArguments, TrainArguments
-from swiftlm.config.sections_monitor import MonitorArguments
 from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.data.prefetch import Prepared, prefetch_steps
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.strategy import Strategy
 from swiftlm.losses.causal_lm import shifted_labels
 from swiftlm.methods.base import Layout, Method, StepContext
+from swiftlm.monitor.config import MonitorArguments
 from swiftlm.monitor.metrics import MetricsLogger, Progress, peak_memory_gib
 from swiftlm.train import batching
 from swiftlm.train import state as loop_state
 from swiftlm.train.batching import BatchPlan, GlobalBatch, iterate_steps
 from swiftlm.train.callbacks import TrainCallbacks
+from swiftlm.train.config import OutputArguments, TrainArguments
 from swiftlm.train.evaluation import BestCheckpoint, GenerationEvaluator
 from swiftlm.train.nonfinite import NonFiniteLossError, describe_nonfinite, first_nonfinite_output
 from swiftlm.train.observe import Observer

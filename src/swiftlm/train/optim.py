@@ -2,7 +2,7 @@
 
 import torch
 
-from swiftlm.config.sections import TrainArguments
+from swiftlm.train.config import TrainArguments
 
 SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 

@@ -20,13 +20,13 @@ import torch
 from swiftlm.checkpoint.targets import run_dir_of
 from swiftlm.config import TrainConfig
 from swiftlm.config.rules import Facts, pipeline
-from swiftlm.config.sections import AUTO_BATCH_SIZE
-from swiftlm.config.sections_dist import node_range
+from swiftlm.distributed.config import node_range
 from swiftlm.distributed.launch import launched_by_torchrun
 from swiftlm.methods.vision import PACKABLE
 from swiftlm.models.attention import flash_attention_available
 from swiftlm.models.vision import vision_language_type
 from swiftlm.train.autobatch import auto_batch_size
+from swiftlm.train.config import AUTO_BATCH_SIZE
 from swiftlm.train.elastic import accumulation_for, planned_shape
 
 

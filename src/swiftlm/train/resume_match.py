@@ -31,8 +31,8 @@ from swiftlm.checkpoint import STATE_FILE
 from swiftlm.checkpoint.targets import RUN_CONFIG, find_resume_checkpoint, run_dir_of
 from swiftlm.config import TrainConfig
 from swiftlm.config.checks import flag_values
-from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
+from swiftlm.train.config import AUTO_BATCH_SIZE
 from swiftlm.train.elastic import GLOBAL_BATCH, data_parallel, planned_world, shape_of
 
 

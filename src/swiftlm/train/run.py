@@ -10,15 +10,14 @@ from pathlib import Path
 
 from swiftlm.config import TrainConfig, save_config
 from swiftlm.config.rules import check
-from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.data.cache import sample_lengths
 from swiftlm.distributed.env import init_distributed, shutdown_distributed
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.parallelize import apply_activation_checkpointing
 from swiftlm.distributed.strategy import build_strategy
 from swiftlm.errors import SwiftLMError
-from swiftlm.methods import METHODS
 from swiftlm.methods.base import complete_method
+from swiftlm.methods.registry import METHODS
 from swiftlm.models.loader import pick_device, pick_dtype, resolve_model
 from swiftlm.models.quant import describe_bnb
 from swiftlm.monitor.loggers import check_loggers_installed
@@ -28,6 +27,7 @@ from swiftlm.monitor.oom import oom_guard
 from swiftlm.report.dashboard import Dashboard
 from swiftlm.report.run import write_report
 from swiftlm.train.batching import describe_plan
+from swiftlm.train.config import AUTO_BATCH_SIZE
 from swiftlm.train.evaluation import BestCheckpoint, build_generation_evaluator
 from swiftlm.train.loop import TrainingJob, run_training
 from swiftlm.train.preflight import prepare_run

@@ -1,9 +1,9 @@
 """Make the right parameters trainable: full fine-tuning, or LoRA / DoRA / rsLoRA via peft."""
 
-from swiftlm.config.sections import TunerArguments
 from swiftlm.errors import ConfigError
 from swiftlm.models.loader import CAUSAL_LM, SEQUENCE_CLASSIFICATION
 from swiftlm.models.quant import logical_numel
+from swiftlm.tuners.config import TunerArguments
 
 # peft's task type per model kind. SEQ_CLS also trains the new `score` head in full (peft adds
 # it to modules_to_save) and saves it with the adapter, so the adapter alone is the reward model.

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from swiftlm.data.loading import LoadReport, checked_sample
 from swiftlm.data.sources import parse_dataset_spec, read_rows
 from swiftlm.errors import SwiftLMError
-from swiftlm.methods import METHODS
+from swiftlm.methods.registry import METHODS
 
 PREVIEW_ROWS = 5  # shown per dataset
 CHECKED_ROWS = 2000  # rows validated per dataset for the error list (a preview, not a run)

@@ -12,9 +12,9 @@ generation's figures (rewards, lengths ...) to the log; `evaluate()` scores samp
 
 from typing import Any
 
-from swiftlm.config.sections import AUTO_BATCH_SIZE
 from swiftlm.errors import ConfigError
 from swiftlm.methods.base import Batch, Layout, MethodDefaults
+from swiftlm.train.config import AUTO_BATCH_SIZE
 
 # Why the engine cannot sample from a sharded model: it runs the whole local module.
 SHARDED = "the rollout engine needs the whole model on each rank; use data parallel (ddp)"

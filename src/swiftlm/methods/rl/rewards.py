@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from swiftlm.errors import DataError
 from swiftlm.methods.rl.reward_calls import CallResult, UserReward
@@ -102,10 +103,22 @@ def repetition_reward(n: int) -> Callable[..., list[float]]:
     return repetition
 
 
-# Reward functions added by plugins (swiftlm.plugins.register_reward): name -> function,
-# called like the built-in ones. Its name is also in config's PLUGIN_REWARD_NAMES, which
-# --reward_funcs is checked against when the flags are parsed.
-REWARD_FUNCS: dict[str, Callable[..., list[float]]] = {}
+def _length(g) -> Callable[..., list[float]]:
+    return length_reward(
+        g.max_completion_length, g.soft_cache_length or max(1, g.max_completion_length // 4)
+    )
+
+
+# --reward_funcs NAME -> the reward's builder: called once per run with the grpo section (the
+# built-ins read their settings from it), it gives the function scored on every batch.
+# The built-ins are here; a plugin's reward is added by swiftlm.plugins.register_reward.
+# --reward_funcs is checked against these names when the flags are parsed.
+REWARD_FUNCS: dict[str, Callable[[Any], Callable[..., list[float]]]] = {
+    "accuracy": lambda g: accuracy,
+    "format": lambda g: format_reward(g.format_pattern),
+    "length": _length,
+    "repetition": lambda g: repetition_reward(g.repetition_n_grams),
+}
 
 
 @dataclass
@@ -124,15 +137,10 @@ class RewardSet:
         g = grpo_args
         self.log = log
         self.weights = list(g.reward_weights or [1.0] * len(g.reward_funcs))
-        cache = g.soft_cache_length or max(1, g.max_completion_length // 4)
-        builtins = {
-            "accuracy": accuracy,
-            "format": format_reward(g.format_pattern),
-            "length": length_reward(g.max_completion_length, cache),
-            "repetition": repetition_reward(g.repetition_n_grams),
-        }
         self.functions = {
-            name: builtins.get(name) or REWARD_FUNCS.get(name) or UserReward(name, g.reward_timeout)
+            name: REWARD_FUNCS[name](g)
+            if name in REWARD_FUNCS
+            else UserReward(name, g.reward_timeout)
             for name in g.reward_funcs
         }
         self.failures_total = dict.fromkeys(self.functions, 0)

@@ -1,5 +1,5 @@
 """The config section of `swiftlm web`, the browser UI over ordinary swiftlm runs. Same
-conventions as `sections.py`: field names are the flag names, each field's `help` is its
+conventions as `config/sections.py`: field names are the flag names, each field's `help` is its
 `--help` text, the section checks its own fields when built.
 """
 

@@ -1,6 +1,10 @@
-"""The config section of `swiftlm rlhf`: which preference method and its loss settings. Same
-conventions as `sections.py`: field names are the flag names (ms-swift's), each field's `help`
-is its `--help` text, the section checks its own fields when built.
+"""The config section of `swiftlm rlhf` (which method, and the preference losses' settings)
+and the registry of its methods' flag facts. Field names are the flag names (ms-swift's),
+each field's `help` is its `--help` text, the section checks its own fields when built.
+
+Each method declares what it reads (`methods.flags.MethodFlags`, in its package's
+`config.py`); `RLHF_METHODS` maps `--rlhf_type` to it, the built-ins here and a plugin's
+through `plugins.register_method`. A leaf module: parsing imports no torch.
 """
 
 from dataclasses import dataclass
@@ -8,39 +12,28 @@ from dataclasses import dataclass
 from swiftlm.config.checks import above, at_least, check_fields, within
 from swiftlm.config.sections import doc
 from swiftlm.errors import ConfigError
+from swiftlm.methods.flags import MethodFlags, settle_online_sections, settle_rlhf_section
+from swiftlm.methods.preference.config import PREFERENCE_METHODS
+from swiftlm.methods.rl.config import ONLINE_METHODS
 
-# The loss types each method implements (losses.preference, losses.rl import them from here).
-CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
-DPO_LOSS_TYPES = (
-    "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "sppo_hard", "aot",
-    "aot_pair", "apo_zero", "apo_down", "discopop", "bco_pair",
-)  # fmt: skip
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-
-# Per method (a registry: a plugin's method adds its row, plugins.register_method): the loss
-# types it accepts (the first is its default; empty: --loss_type is not read) and its
-# default beta (None: --beta is not read).
-LOSS_TYPES: dict[str, tuple[str, ...]] = {
-    "dpo": DPO_LOSS_TYPES,
-    "simpo": ("sigmoid",),
-    "orpo": ("sigmoid",),
-    "cpo": CPO_LOSS_TYPES,
-    "kto": KTO_LOSS_TYPES,
-    "rm": (),
-    "grpo": GRPO_LOSS_TYPES,
-    "gkd": (),
-}
-# ms-swift's defaults (TRL's differ for grpo: beta 0.0; see docs/alignment.md's table).
-DEFAULT_BETA: dict[str, float | None] = {
-    "dpo": 0.1, "simpo": 2.0, "orpo": 0.1, "cpo": 0.1, "kto": 0.1, "rm": None, "grpo": 0.04,
-    "gkd": 0.5,
-}  # fmt: skip
+# --rlhf_type -> what the method reads: the built-ins, then the plugins' in registration order.
+RLHF_METHODS: dict[str, MethodFlags] = {**PREFERENCE_METHODS, **ONLINE_METHODS}
 
 
 def rlhf_types() -> tuple[str, ...]:
-    """The methods `--rlhf_type` takes: the built-ins, then the plugins' in registration order."""
-    return tuple(LOSS_TYPES)
+    """The methods `--rlhf_type` takes."""
+    return tuple(RLHF_METHODS)
+
+
+def method_flags(kind: str) -> MethodFlags:
+    if kind not in RLHF_METHODS:  # a saved or YAML config is not checked by argparse
+        raise ConfigError(f"--rlhf_type {kind}: choose one of {', '.join(rlhf_types())}")
+    return RLHF_METHODS[kind]
+
+
+def settle_online(rlhf, grpo, gkd) -> None:
+    """The grpo and gkd sections as the chosen method reads them (called by RLHFConfig)."""
+    settle_online_sections(rlhf, grpo, gkd, method_flags(rlhf.rlhf_type), RLHF_METHODS)
 
 
 @dataclass
@@ -114,21 +107,12 @@ class RLHFArguments:
 
     def __post_init__(self):
         # The effective values are what config.yaml records and the run prints.
-        kind = self.rlhf_type
-        if kind not in LOSS_TYPES:  # a saved or YAML config is not checked by argparse
-            raise ConfigError(f"--rlhf_type {kind}: choose one of {', '.join(rlhf_types())}")
-        if self.beta is None:
-            self.beta = DEFAULT_BETA[kind]
+        flags = method_flags(self.rlhf_type)
         self.loss_type = _one_or_several(self.loss_type)
-        if self.loss_type is None and LOSS_TYPES[kind]:
-            self.loss_type = LOSS_TYPES[kind][0]
         if self.loss_weights is not None:
             self.loss_weights = [float(w) for w in self.loss_weights]
-        # grpo: beta 0 drops the KL term and the reference; gkd: 0 is forward KL, 1 reverse.
-        beta_check = {"grpo": at_least(0), "gkd": within(0, 1)}.get(kind, above(0))
         check_fields(
             self,
-            beta=beta_check,
             label_smoothing=within(0, 0.5, open_high=True),
             rpo_alpha=at_least(0),
             simpo_gamma=at_least(0),
@@ -136,7 +120,7 @@ class RLHFArguments:
             desirable_weight=above(0),
             undesirable_weight=above(0),
         )
-        self._check_method_flags()
+        settle_rlhf_section(self, flags, RLHF_METHODS)
         self._check_loss_weights()
 
     def loss_types(self) -> list[str]:
@@ -147,11 +131,6 @@ class RLHFArguments:
 
     def _check_loss_weights(self) -> None:
         types = self.loss_types()
-        if isinstance(self.loss_type, list) and self.rlhf_type != "dpo":
-            raise ConfigError(
-                f"--loss_type {' '.join(types)}: only --rlhf_type dpo combines several loss "
-                f"types; --rlhf_type {self.rlhf_type} takes one"
-            )
         if len(types) != len(set(types)):
             raise ConfigError(f"--loss_type {' '.join(types)}: a loss type is given twice")
         weights = self.loss_weights
@@ -164,44 +143,6 @@ class RLHFArguments:
             )
         if any(w < 0 or w != w for w in weights):
             raise ConfigError(f"--loss_weights {' '.join(map(str, weights))}: must be >= 0")
-
-    def _check_method_flags(self) -> None:
-        """A flag the chosen --rlhf_type does not read is an error, not silently ignored."""
-        kind = self.rlhf_type
-        accepted = LOSS_TYPES[kind]
-        for loss_type in self.loss_types():
-            if loss_type in accepted:
-                continue
-            if not accepted:
-                raise ConfigError(f"--loss_type is not used by --rlhf_type {kind}: drop it")
-            owners = [k for k, types in LOSS_TYPES.items() if loss_type in types]
-            hint = f"; {loss_type} is a loss of --rlhf_type {'/'.join(owners)}" if owners else ""
-            raise ConfigError(
-                f"--loss_type {loss_type}: --rlhf_type {kind} accepts {', '.join(accepted)}{hint}"
-            )
-        if DEFAULT_BETA[kind] is None and self.beta is not None:
-            raise ConfigError(f"--beta is not used by --rlhf_type {kind}: drop it")
-        readers = {  # flag: (the methods that read it, its default)
-            "rpo_alpha": (("dpo",), None),
-            "label_smoothing": (("dpo", "simpo", "cpo"), 0.0),
-            "simpo_gamma": (("simpo",), 1.0),
-            "cpo_alpha": (("simpo", "cpo"), 1.0),
-            "loss_weights": (("dpo",), None),
-            "ref_model": (("dpo", "kto", "grpo"), None),
-            "precompute_ref_log_probs": (("dpo",), False),
-            "desirable_weight": (("kto",), 1.0),
-            "undesirable_weight": (("kto",), 1.0),
-        }
-        unread = {
-            flag: kind not in methods and getattr(self, flag) != default
-            for flag, (methods, default) in readers.items()
-        }
-        for flag, given in unread.items():
-            if given:
-                raise ConfigError(
-                    f"--{flag} is not used by --rlhf_type {kind}: drop it, or pick the method "
-                    "that reads it (see `swiftlm rlhf --help`)"
-                )
 
 
 def _one_or_several(value):

@@ -1,6 +1,6 @@
 """Config sections of evaluation: `swiftlm eval` (`EvalArguments`) and evaluation during
 training (`TrainEvalArguments`, part of `swiftlm sft/pt/rlhf`). Same conventions as
-`sections.py`: field names are the flag names, each field's `help` is its `--help` text, each
+`config/sections.py`: field names are the flag names, each field's `help` is its `--help` text, each
 section checks its own fields when built.
 """
 

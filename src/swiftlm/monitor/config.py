@@ -1,6 +1,6 @@
 """The config section of what a training run shows about itself while it runs: the profiler
 window, gradient histograms, spike detection and the live dashboard. Same conventions as
-`sections.py`: field names are the flag names, each field's `help` is its `--help` text.
+`config/sections.py`: field names are the flag names, each field's `help` is its `--help` text.
 
 The step-time breakdown, per-layer gradient norms and the data-health summary are always on
 (their cost is measured in `benchmarks/observability.py`); these flags choose the extras.

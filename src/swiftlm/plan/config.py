@@ -1,6 +1,6 @@
 """The config section of `swiftlm plan`: the hardware to plan for and where the plan goes.
 The job itself (model, --train_type, --max_length, batch, checkpointing, --nnodes) uses the
-training command's own flags. Same conventions as `sections.py`."""
+training command's own flags. Same conventions as `config/sections.py`."""
 
 from dataclasses import dataclass
 

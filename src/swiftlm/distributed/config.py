@@ -1,5 +1,5 @@
 """The distributed section of the config: processes, nodes (elastic ranges), rendezvous,
-restarts, and the parallel strategies with their options. See `sections.py` for how
+restarts, and the parallel strategies with their options. See `config/sections.py` for how
 sections, fields and checks work."""
 
 from dataclasses import dataclass
@@ -10,6 +10,8 @@ from swiftlm.config.sections import doc
 
 # What `--fsdp` accepts (ms-swift's spellings of FSDP2's full sharding).
 FSDP_SPELLINGS = ("fsdp2", "full_shard", "shard")
+
+
 # --max_restarts of an elastic job unless given: each node that leaves costs one.
 ELASTIC_MAX_RESTARTS = 3
 

@@ -1,5 +1,5 @@
 """The config section of `swiftlm deploy`, the OpenAI-compatible server. Same conventions as
-`sections.py`: field names are the flag names (ms-swift's where they exist), each field's
+`config/sections.py`: field names are the flag names (ms-swift's where they exist), each field's
 `help` is its `--help` text, the section checks its own fields when built.
 """
 

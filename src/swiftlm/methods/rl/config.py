@@ -1,10 +1,8 @@
-"""The config sections of the online methods of `swiftlm rlhf`: GRPO (rollouts, advantages,
-rewards) and GKD (the teacher). Same conventions as `sections.py`. Both sample from the policy
-through the serving engine, so the sampling flags (`--max_completion_length`,
-`--temperature`, `--top_p`) live in the GRPO section and GKD reads them too.
-
-Which flags a method reads, and its per-method defaults, are settled by `settle_online` when
-the whole `RLHFConfig` is built: a flag the chosen `--rlhf_type` does not read is an error.
+"""The config sections of the online methods of `swiftlm rlhf`, GRPO (rollouts, advantages,
+rewards) and GKD (the teacher), and their flag facts (`methods.flags.MethodFlags`). Same
+conventions as `config/sections.py`. Both sample from the policy through the serving
+engine, so the sampling flags (`--max_completion_length`, `--temperature`, `--top_p`) live in
+the GRPO section and GKD reads them too.
 """
 
 from dataclasses import dataclass, fields
@@ -13,17 +11,13 @@ from typing import Literal
 from swiftlm.config.checks import above, at_least, check_fields, within
 from swiftlm.config.sections import doc
 from swiftlm.errors import ConfigError
+from swiftlm.losses.loss_types import GRPO_LOSS_TYPES
+from swiftlm.methods.flags import MethodFlags
+from swiftlm.methods.rl.rewards import REWARD_FUNCS
 
-BUILTIN_REWARDS = ("accuracy", "format", "length", "repetition")
-# The names of the reward functions plugins registered (methods.rl.rewards.REWARD_FUNCS).
-PLUGIN_REWARD_NAMES: set[str] = set()
 # ms-swift's (and DeepSeek-R1's) reasoning format.
 DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
-# Per method: the defaults that differ (TRL's GKD samples at 0.9, as ms-swift's).
-METHOD_DEFAULTS = {
-    "grpo": {"temperature": 1.0, "max_completion_length": 256},
-    "gkd": {"temperature": 0.9, "max_completion_length": 128},
-}
+SAMPLING_FLAGS = frozenset({"max_completion_length", "temperature", "top_p"})
 
 
 @dataclass
@@ -144,37 +138,15 @@ class GKDArguments:
         check_fields(self, lmbda=within(0, 1), gkd_logits_topk=at_least(1))
 
 
-def settle_online(rlhf_type: str, grpo: GRPOArguments, gkd: GKDArguments) -> None:
-    """Fill the chosen method's defaults; refuse online flags it does not read."""
-    reads_sampling = rlhf_type in METHOD_DEFAULTS
-    for name, value in METHOD_DEFAULTS.get(rlhf_type, {}).items():
-        if getattr(grpo, name) is None:
-            setattr(grpo, name, value)
-    sampling = {"max_completion_length", "temperature", "top_p"}
-    for section, owner in ((grpo, "grpo"), (gkd, "gkd")):
-        for f in fields(section):
-            reader = reads_sampling if f.name in sampling else rlhf_type == owner
-            default = f.default_factory() if callable(f.default_factory) else f.default
-            if not reader and getattr(section, f.name) != default:
-                raise ConfigError(
-                    f"--{f.name} is not used by --rlhf_type {rlhf_type}: drop it, or pick the "
-                    "method that reads it (see `swiftlm rlhf --help`)"
-                )
-    if rlhf_type == "grpo":
-        _check_grpo(grpo)
-    if rlhf_type == "gkd" and not gkd.teacher_model:
-        raise ConfigError("--rlhf_type gkd needs --teacher_model (a folder, hub id or .gguf)")
-
-
-def _check_grpo(grpo: GRPOArguments) -> None:
+def _check_grpo(rlhf, grpo: GRPOArguments, gkd: GKDArguments) -> None:
     if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
         raise ConfigError(
             f"--reward_weights: {len(grpo.reward_weights)} weights for "
             f"{len(grpo.reward_funcs)} --reward_funcs; give one weight per function"
         )
     for name in grpo.reward_funcs:
-        if name not in BUILTIN_REWARDS and name not in PLUGIN_REWARD_NAMES and ":" not in name:
-            known = ", ".join([*BUILTIN_REWARDS, *sorted(PLUGIN_REWARD_NAMES)])
+        if name not in REWARD_FUNCS and ":" not in name:
+            known = ", ".join(REWARD_FUNCS)
             raise ConfigError(
                 f"--reward_funcs {name}: not a built-in or plugin reward ({known}) "
                 "nor `file.py:function`"
@@ -184,3 +156,33 @@ def _check_grpo(grpo: GRPOArguments) -> None:
             f"--soft_cache_length {grpo.soft_cache_length} must be below "
             f"--max_completion_length {grpo.max_completion_length}"
         )
+
+
+def _check_gkd(rlhf, grpo: GRPOArguments, gkd: GKDArguments) -> None:
+    if not gkd.teacher_model:
+        raise ConfigError("--rlhf_type gkd needs --teacher_model (a folder, hub id or .gguf)")
+
+
+def _names(section) -> frozenset[str]:
+    return frozenset(f.name for f in fields(section))
+
+
+# beta: GRPO's KL weight (0 drops the KL term and the reference); GKD's generalized JSD
+# interpolation (0 forward KL, 1 reverse). GKD samples at 0.9, as TRL's and ms-swift's.
+GRPO_FLAGS = MethodFlags(
+    loss_types=GRPO_LOSS_TYPES,
+    beta=0.04,
+    beta_check=at_least(0),
+    reads=_names(GRPOArguments) | {"ref_model"},
+    defaults={"temperature": 1.0, "max_completion_length": 256},
+    check=_check_grpo,
+)
+GKD_FLAGS = MethodFlags(
+    beta=0.5,
+    beta_check=within(0, 1),
+    reads=_names(GKDArguments) | SAMPLING_FLAGS,
+    defaults={"temperature": 0.9, "max_completion_length": 128},
+    check=_check_gkd,
+)
+
+ONLINE_METHODS = {"grpo": GRPO_FLAGS, "gkd": GKD_FLAGS}

@@ -1,5 +1,5 @@
 """The config section of `swiftlm report`: which run directories, where the page goes, and
-whether to serve it live. Same conventions as `sections.py`: field names are the flag names,
+whether to serve it live. Same conventions as `config/sections.py`: field names are the flag names,
 each field's `help` is its `--help` text, the section checks its own fields when built.
 
 The run directories are positional on the command line (`swiftlm report RUN_DIR ...`); the

@@ -1,0 +1,53 @@
+"""The config section of what a command that uses a trained model loads and runs
+(`InferArguments`: the run or adapters to load, the task, batch size, prompts' images,
+where answers go), read by infer and, in part, by eval, export and deploy. Same conventions
+as `config/sections.py`: field names are the flag names, each field's `help` is its `--help`
+text, the section checks its own fields when built.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from swiftlm.config.checks import at_least, check_fields
+from swiftlm.config.sections import doc
+
+
+@dataclass
+class InferArguments:
+    task: Literal["generate", "score"] = doc(
+        "generate: answer the prompts (chat, or --val_dataset in batch). score: write the "
+        "reward of each --val_dataset conversation (it ends with the answer to score) as "
+        "`score`, with a reward model (`swiftlm rlhf --rlhf_type rm`).",
+        default="generate",
+    )
+    adapters: list[str] = doc(
+        "LoRA/DoRA adapter folders to apply on --model (merged into it). `swiftlm deploy` "
+        "takes name=path and serves each adapter, unmerged, as the model `name`.",
+        default_factory=list,
+    )
+    ckpt_dir: str | None = doc(
+        "A swiftlm run directory, its final/ folder or a checkpoint: the model (and base model) "
+        "are read from the saved config.",
+        default=None,
+    )
+    result_path: str | None = doc(
+        "Batch mode: write one JSON line per --val_dataset sample here.", default=None
+    )
+    max_batch_size: int = doc(
+        "Most sequences decoded together: the engine batches prompts continuously, a new "
+        "one joining as soon as another finishes. Text models only: a vision-language model "
+        "answers one prompt at a time (continuous batching is text-only).",
+        default=32,
+    )
+    stream: bool = doc("Interactive mode: print tokens as they are generated.", default=True)
+    images: list[str] = doc(
+        "Chat mode with a vision-language model: images (local paths, http(s) or data URLs) "
+        "of the first question. They fill its <image> tags in order; a question without tags "
+        "gets them all in front of its text. In the chat, `/image PATH ...` attaches images "
+        "to the next question the same way. Batch rows (--val_dataset) carry their own.",
+        default_factory=list,
+    )
+    seed: int = doc("Seed for sampling.", default=42)
+
+    def __post_init__(self):
+        check_fields(self, max_batch_size=at_least(1))
