@@ -23,6 +23,7 @@ and reports the mean reward as -eval_loss and per function as eval_rewards/<name
 
 import contextlib
 import json
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
 from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
 from swiftlm.methods.reference import Reference
-from swiftlm.methods.rl.grpo_rollouts import GenerationBuffer, Rollouts
+from swiftlm.methods.rl.grpo_rollouts import GenerationBuffer, RolloutParts, Rollouts
 from swiftlm.methods.rl.online import (
     SHARDED,
     PromptBatches,
@@ -135,7 +136,19 @@ class GRPO(PromptBatches):
         else:
             log("grpo: beta 0: no KL term, no reference model")
         self.rewards = RewardSet(g, log)
-        self.rollouts = Rollouts(self, log)
+        parts = RolloutParts(
+            args=g,
+            loss_type=r.loss_type,
+            seed=self.cfg.train.seed,
+            run_dir=Path(self.cfg.output.output_dir or "."),
+            sampler=self.sampler,
+            rewards=self.rewards,
+            pad_token_id=self.tokenizer.pad_token_id,
+            token_logps=self.token_logps,
+            completion_mask=self.completion_mask,
+            normalizer=self.normalizer,
+        )
+        self.rollouts = Rollouts(parts, log)
 
     @property
     def steps_per_generation(self) -> int:

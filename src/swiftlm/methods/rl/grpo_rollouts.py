@@ -12,7 +12,9 @@ absolute gap between the engine's and the trainer's log-probs of the sampled tok
 
 import json
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,18 +47,41 @@ class GenerationBuffer:
         self.steps = state["steps"]
 
 
-class Rollouts:
-    """Sampling, scoring and batching for the GRPO method `method`."""
+@dataclass
+class RolloutParts:
+    """What a generation is made with, given by its method (Rollouts reads nothing else).
 
-    def __init__(self, method, log):
-        self.method, self.log = method, log
-        self.args, self.cfg = method.args, method.cfg
+    args: the grpo section; loss_type: --loss_type (how tokens are averaged); seed: the
+    run's seed; run_dir: where completions.jsonl goes. sampler: the engine over the live
+    policy (`rollout.PolicySampler`); rewards: the run's `RewardSet`; pad_token_id: the
+    tokenizer's. token_logps(model, batch): the trainer's log-prob of each sampled token;
+    completion_mask(batch): 1.0 on those tokens; normalizer(batch): the batch's share of the
+    step's units (tokens or sequences, as the loss type counts them).
+    """
+
+    args: object
+    loss_type: str
+    seed: int
+    run_dir: Path
+    sampler: object
+    rewards: object
+    pad_token_id: int
+    token_logps: Callable
+    completion_mask: Callable
+    normalizer: Callable
+
+
+class Rollouts:
+    """Sampling, scoring and batching of GRPO's generations."""
+
+    def __init__(self, parts: RolloutParts, log):
+        self.parts, self.log = parts, log
+        self.args = parts.args
         self.generations = 0  # generations so far (seeds, resume)
         self.metrics: dict[str, float] = {}
         self.zero_spread_notes = 0
         self.phase = lambda name: nullcontext()  # the loop's step timer, set per generation
-        run_dir = Path(self.cfg.output.output_dir or ".")
-        self.completions_file = run_dir / "completions.jsonl"
+        self.completions_file = parts.run_dir / "completions.jsonl"
 
     # -- a generation --------------------------------------------------------------------------
 
@@ -88,7 +113,7 @@ class Rollouts:
         return steps
 
     def _sample(self, model, prompts: list[dict], attempt: int, only=None):
-        seed = self.cfg.train.seed
+        seed = self.parts.seed
         chosen = range(len(prompts)) if only is None else only
         requests = [
             GenerationRequest(
@@ -102,14 +127,14 @@ class Rollouts:
             for i in chosen
         ]
         with self.phase("generation"):
-            return self.method.sampler.generate(model, requests)
+            return self.parts.sampler.generate(model, requests)
 
     def _score(self, prompts, rows, results):
         group = self.args.num_generations
         completions = [s for samples in results for s in samples]
         columns = _columns([row["columns"] for row in rows for _ in range(group)])
         with self.phase("reward"):
-            return self.method.rewards.score(
+            return self.parts.rewards.score(
                 [row["prompt"] for row in rows for _ in range(group)],
                 [s.text for s in completions],
                 [list(s.token_ids) for s in completions],
@@ -159,7 +184,7 @@ class Rollouts:
             prompt_ids,
             [list(s.token_ids) for s in samples],
             [[lp.logprob for lp in s.logprobs] for s in samples],
-            self.method.tokenizer.pad_token_id,
+            self.parts.pad_token_id,
         )
         batch["advantages"] = advantages.reshape(-1)
         weights = [p["weight"] for p in prompts for _ in range(self.args.num_generations)]
@@ -170,18 +195,18 @@ class Rollouts:
     def _add_old_logps(self, model, steps, context) -> None:
         """The sampling policy's log-probs (the trainer's forward, before any update of this
         generation), for the importance ratio of every step; and the engine mismatch."""
-        loss_type = self.method.rlhf.loss_type
+        loss_type = self.parts.loss_type
         gap, units = 0.0, 0.0
         device = next(model.parameters()).device
         for batches in steps:
             for batch in batches:
                 moved = {k: v.to(device) for k, v in batch.items()}
                 with context.phase("forward"), context.autocast():
-                    logps = self.method.token_logps(model, moved).cpu()
+                    logps = self.parts.token_logps(model, moved).cpu()
                 batch["old_logps"] = logps
-                mask = self.method.completion_mask(batch)
+                mask = self.parts.completion_mask(batch)
                 gap += float(reduce_tokens((logps - batch["engine_logps"]).abs(), mask, loss_type))
-                units += float(self.method.normalizer(batch))
+                units += float(self.parts.normalizer(batch))
         ctx = context.strategy.ctx
         units = ctx.all_reduce_sum(units)
         self.metrics["logprob_mismatch"] = ctx.all_reduce_sum(gap) / max(units, 1.0)
@@ -196,9 +221,9 @@ class Rollouts:
             GenerationRequest(p["prompt_ids"], sampling_params(self.args, 1, 0, greedy=True))
             for p in prompts
         ]
-        results = self.method.sampler.generate(model, requests)
+        results = self.parts.sampler.generate(model, requests)
         completions = [group[0] for group in results]
-        scored = self.method.rewards.score(
+        scored = self.parts.rewards.score(
             [row["prompt"] for row in rows],
             [s.text for s in completions],
             [list(s.token_ids) for s in completions],
@@ -237,7 +262,7 @@ class Rollouts:
             sums[f"{name}/failures"] = float(scored.failures.get(name, 0))
         ctx = context.strategy.ctx
         totals = {k: ctx.all_reduce_sum(v) for k, v in sums.items()}
-        self.metrics = _generation_metrics(totals, self.method.rewards.names)
+        self.metrics = _generation_metrics(totals, self.parts.rewards.names)
         if bool(real.any()):  # this rank's (the context offers sums only)
             self.metrics["completions/min_length"] = float(lengths[real].min())
             self.metrics["completions/max_length"] = float(lengths[real].max())
