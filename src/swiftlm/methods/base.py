@@ -191,6 +191,12 @@ class MethodDefaults:
         A method that generates (GRPO) scores sampled answers instead."""
         return self.loss(model, batch)
 
+    def eval_normalizer(self, batch: Batch) -> float | torch.Tensor:
+        """What `evaluate`'s sums of a validation micro-batch are divided by (summed over the
+        validation set); by default the training normalizer. A method whose validation
+        batches are prompts (GRPO, GKD) counts those."""
+        return self.normalizer(batch)
+
     def pipeline_loss(self, logits: torch.Tensor, batch: Batch) -> LossOutput:
         """The loss from the last pipeline stage's logits (pipeline parallel only)."""
         raise ConfigError(

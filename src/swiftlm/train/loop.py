@@ -301,7 +301,7 @@ def evaluate(job: TrainingJob, precision: Precision) -> dict[str, float]:
             batch_loss, metrics = method.evaluate(job.model, _to_device(batch, job.device))
         for name, value in {"loss": batch_loss, **metrics}.items():
             sums[name] = sums.get(name, 0.0) + torch.as_tensor(value).detach().double()
-        normalizer += torch.as_tensor(method.normalizer(batch), dtype=torch.float64)
+        normalizer += torch.as_tensor(method.eval_normalizer(batch), dtype=torch.float64)
     job.model.train(was_training)
     names = list(sums)
     device = sums["loss"].device

@@ -140,10 +140,12 @@ class GKD(PromptBatches):
         }
 
     def normalizer(self, batch: Batch) -> float | torch.Tensor:
-        """Completion tokens of the real rows (evaluation: of the reference answers)."""
-        if "prompts" in batch:
-            return float(sum(len(p["response_ids"]) for p in batch["prompts"] if p["weight"] > 0))
+        """Completion tokens of the real rows."""
         return self.completion_mask(batch).sum()
+
+    def eval_normalizer(self, batch: Batch) -> float:
+        """Validation batches are prompts: the tokens of their reference answers."""
+        return float(sum(len(p["response_ids"]) for p in batch["prompts"] if p["weight"] > 0))
 
     # -- model and steps -----------------------------------------------------------------------
 

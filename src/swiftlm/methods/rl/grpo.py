@@ -111,12 +111,14 @@ class GRPO(PromptBatches):
         }
 
     def normalizer(self, batch: Batch) -> float | torch.Tensor:
-        if "prompts" in batch:  # evaluation: prompts
-            return float(sum(p["weight"] for p in batch["prompts"]))
         mask = self.completion_mask(batch)
         return normalizer(
             mask, batch["weight"], self.rlhf.loss_type, self.args.max_completion_length
         )
+
+    def eval_normalizer(self, batch: Batch) -> float:
+        """Validation batches are prompts, each answered once: their weight."""
+        return float(sum(p["weight"] for p in batch["prompts"]))
 
     # -- model and steps -------------------------------------------------------------------------
 
