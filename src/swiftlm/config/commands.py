@@ -175,7 +175,7 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
         # check (default: the evaluated run's), --system the system prompt of chat tasks.
         "data": ("dataset", "system"),
         "generation": ALL,
-        "infer": ("adapters", "ckpt_dir", "max_batch_size", "seed"),
+        "infer": ("adapters", "ckpt_dir", "max_batch_size", "seed", "prefix_cache_memory"),
         "eval": ALL,
         "overwrite": ALL,
         "plugins": ALL,
@@ -195,7 +195,7 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
         # Requests bring their own prompts, sampling and images (image_url parts); a reward
         # model is served for scoring (/v1/score), found from its files.
         "data": ("system", "max_pixels"),
-        "infer": ("adapters", "ckpt_dir", "seed"),
+        "infer": ("adapters", "ckpt_dir", "seed", "prefix_cache_memory"),
         "deploy": ALL,
         "plugins": ALL,
     },

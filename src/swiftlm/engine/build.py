@@ -48,11 +48,12 @@ def engine_for_model(
     adapters: dict[str, str] | None = None,
     max_model_len: int | None = None,
     max_pixels: int = 0,
+    prefix_cache_memory: int = 0,
 ) -> ContinuousEngine | VisionEngine:
     """The engine for a resolved model: its run adapters merged in, `adapters` (name -> folder)
     served unmerged beside it (`swiftlm deploy`). A vision-language model gets a
     `VisionEngine` (transformers' generate, one request at a time: continuous batching is
-    text-only)."""
+    text-only). `prefix_cache_memory`: MiB of the text engine's prefix cache (0: none)."""
     options = dict(
         tokenizer_path=spec.tokenizer_path,
         merge_adapters=spec.adapters,
@@ -65,7 +66,12 @@ def engine_for_model(
     )
     if is_vision_model(spec.base_path):
         return build_vision_engine(spec.base_path, max_pixels=max_pixels, **options)
-    return build_engine(spec.base_path, max_num_seqs=max_num_seqs, **options)
+    return build_engine(
+        spec.base_path,
+        max_num_seqs=max_num_seqs,
+        prefix_cache_bytes=prefix_cache_memory * 2**20,
+        **options,
+    )
 
 
 def build_engine(
@@ -82,6 +88,7 @@ def build_engine(
     prefill_chunk_tokens: int = 1024,
     seed: int = 0,
     warmup: bool = True,
+    prefix_cache_bytes: int = 0,
 ) -> ContinuousEngine:
     """Load `model_path` (a local folder or hub id: see `models.loader.resolve_model`) and
     start its engine. `adapters` maps served names to adapter folders; `max_model_len`
@@ -101,6 +108,7 @@ def build_engine(
         prefill_chunk_tokens=prefill_chunk_tokens,
         adapters=tuple(adapters or {}),
         seed=seed,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     if warmup:
         engine.warmup()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from swiftlm.engine.prefix_cache import PrefixCache
 from swiftlm.engine.protocol import (
     EngineStats,
     GenerationFailed,
@@ -42,7 +43,10 @@ class ContinuousEngine:
         adapters: tuple[str, ...] = (),
         seed: int = 0,
         inference_mode: bool = True,
+        prefix_cache_bytes: int = 0,
     ):
+        """`prefix_cache_bytes`: the budget of the prefix cache (`prefix_cache.py`), 0 for
+        none. Only for fixed weights: an engine over a model that trains must keep none."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -57,6 +61,7 @@ class ContinuousEngine:
             prefill_chunk_tokens=prefill_chunk_tokens,
             adapters=adapters,
             seed=seed,
+            prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None,
         )
         self.stop_token_ids = sorted(stop_token_ids)
         # False: plain no_grad. Sampling from a model that trains right after (FSDP2 keeps
@@ -103,12 +108,23 @@ class ContinuousEngine:
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0)
         self.generate([GenerationRequest(prompt, params) for _ in range(self.max_num_seqs)])
         self.generated_tokens = 0
+        self.scheduler.prefill_tokens = 0
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache = PrefixCache(self.scheduler.prefix_cache.budget_bytes)
 
     def stats(self) -> EngineStats:
         with self._lock:
             waiting = len(self._incoming) + len(self.scheduler.waiting)
             running = self.scheduler.running_count()
-        return EngineStats(running, waiting, self.max_num_seqs, self.max_model_len)
+        cache = self.scheduler.prefix_cache
+        return EngineStats(
+            running,
+            waiting,
+            self.max_num_seqs,
+            self.max_model_len,
+            prefill_tokens=self.scheduler.prefill_tokens,
+            prefix_hit_tokens=cache.hit_tokens if cache else 0,
+        )
 
     def shutdown(self) -> None:
         with self._lock:

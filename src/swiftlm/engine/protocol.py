@@ -207,6 +207,8 @@ class EngineStats:
     waiting: int  # requests queued, not yet prefilled
     max_num_seqs: int
     max_model_len: int  # prompt + generated tokens of one sequence, at most
+    prefill_tokens: int = 0  # prompt tokens run through the model so far
+    prefix_hit_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
 
 
 class Engine(Protocol):

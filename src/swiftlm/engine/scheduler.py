@@ -29,6 +29,7 @@ import torch
 
 from swiftlm.engine.detokenize import IncrementalText, StopText
 from swiftlm.engine.kvcache import BatchKV
+from swiftlm.engine.prefix_cache import PrefixCache, prefix_tensors
 from swiftlm.engine.protocol import (
     GenerationRequest,
     InvalidRequest,
@@ -40,6 +41,9 @@ from swiftlm.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
+# A request waits one prefill for another of its group to cache their common start when it
+# is at least this long: below it, the wait costs more than prefilling the tokens twice.
+DEFER_SHARED_TOKENS = 64
 
 
 @dataclass
@@ -57,6 +61,7 @@ class PrefillGroup:
     mask: torch.Tensor  # 1 where a real token is
     positions: torch.Tensor
     kv: BatchKV
+    cached: list[int]  # per row, the prompt's first tokens whose keys came from the cache
     done: int = 0  # columns already in the cache
 
     @property
@@ -78,6 +83,7 @@ class Scheduler:
         prefill_chunk_tokens: int,
         adapters,
         seed: int,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -96,6 +102,8 @@ class Scheduler:
         # move from `group` to `running` under this lock, so they are always counted once.
         self.slots = threading.Lock()
         self.kv = BatchKV(self.num_layers, 0, self.device)
+        self.prefix_cache = prefix_cache
+        self.prefill_tokens = 0  # prompt tokens run through the model (not from the cache)
 
     # -- what there is to do --------------------------------------------------------------
 
@@ -151,22 +159,77 @@ class Scheduler:
     def _admit(self) -> PrefillGroup | None:
         free = self.max_num_seqs - len(self.running)
         items: list[Submitted] = []
+        uncached: set[bytes] = set()  # blocks this group prefills that the cache lacks
         while self.waiting and self.waiting[0].request.params.n <= free:
+            if self._shares_uncached_start(self.waiting[0], uncached):
+                break  # the next group finds that prefix in the cache
             item = self.waiting.popleft()
             free -= item.request.params.n
             items.append(item)
         if not items:
             return None
-        prompts = [item.request.prompt_ids for item in items]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        kv = BatchKV(self.num_layers, len(prompts), self.device)
-        return PrefillGroup(items, ids, mask, positions, kv)
+        kv = BatchKV(self.num_layers, len(items), self.device)
+        cached = self._cached_prefixes(items, kv)
+        rests = [item.request.prompt_ids[n:] for item, n in zip(items, cached, strict=True)]
+        width = max(len(p) for p in rests)
+        ids = torch.zeros((len(rests), width), dtype=torch.long)
+        mask = torch.zeros((len(rests), width), dtype=torch.long)
+        for row, rest in enumerate(rests):
+            ids[row, width - len(rest) :] = torch.tensor(rest)
+            mask[row, width - len(rest) :] = 1
+        # Each row's positions go on from its cached prefix.
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0) + torch.tensor(cached).unsqueeze(1)
+        self.prefill_tokens += sum(len(rest) for rest in rests)
+        return PrefillGroup(items, ids, mask, positions, kv, cached)
+
+    def _shares_uncached_start(self, item: Submitted, uncached: set[bytes]) -> bool:
+        """Whether `item`'s prompt starts with at least DEFER_SHARED_TOKENS that this group
+        prefills already and the cache does not hold yet: then it waits for the next group,
+        which reads them from the cache instead of prefilling them again (16 requests sending
+        one long system prompt at once prefill it once). Otherwise its uncached blocks join
+        `uncached`."""
+        cache, prompt = self.prefix_cache, item.request.prompt_ids
+        if cache is None:
+            return False
+        digests = cache.digests(prompt[:-1], item.request.adapter)
+        shared = 0
+        for digest in digests:
+            if digest in uncached:
+                shared += 1
+            elif digest not in cache.blocks:
+                break
+        if shared * cache.block_size >= DEFER_SHARED_TOKENS:
+            return True
+        uncached.update(d for d in digests if d not in cache.blocks)
+        return False
+
+    def _cached_prefixes(self, items: list[Submitted], kv: BatchKV) -> list[int]:
+        """Fill `kv` with the cached keys/values of each prompt's longest cached prefix
+        (right-aligned, zeros and mask 0 on the left) and return their lengths. The rest of a
+        prompt is prefilled after them: the columns between a short row's prefix and its rest
+        are masked padding, and its position ids go on from its prefix. At least a prompt's
+        last token is always prefilled: its logits give the first sample."""
+        cache = self.prefix_cache
+        if cache is None:
+            return [0] * len(items)
+        found = [
+            cache.lookup(i.request.prompt_ids, i.request.adapter, len(i.request.prompt_ids) - 1)
+            for i in items
+        ]
+        cached = [len(blocks) * cache.block_size for blocks in found]
+        longest = max(cached)
+        if longest == 0:
+            return cached
+        cache.hit_tokens += sum(cached)
+        kv.mask = torch.zeros((len(items), longest), dtype=torch.long, device=self.device)
+        prefixes = []  # per row: (keys, values) per layer, or None
+        for row, (blocks, length) in enumerate(zip(found, cached, strict=True)):
+            kv.mask[row, longest - length :] = 1
+            prefixes.append(prefix_tensors(blocks, length) if length else None)
+        for layer_index, layer in enumerate(kv.layers()):
+            keys, values = _right_aligned(prefixes, layer_index, longest)
+            layer.replace(keys.to(self.device), values.to(self.device))
+        return cached
 
     def _prefill_chunk(self) -> None:
         group = self.group
@@ -186,6 +249,8 @@ class Scheduler:
     def _start_sequences(self, group: PrefillGroup, logits: torch.Tensor) -> None:
         """Sample each sample's first token from its prompt's logits; the unfinished rows
         join the running batch (a sample that cannot even start has failed alone)."""
+        if self.prefix_cache is not None:
+            self._store_prefixes(group)
         counts = torch.tensor([item.request.params.n for item in group.items])
         if bool((counts > 1).any()):
             group.kv.repeat_rows(counts)
@@ -206,6 +271,20 @@ class Scheduler:
         with self.slots:
             self.running = self.running + [prepared[i] for i in keep]
             self.group = None
+
+    def _store_prefixes(self, group: PrefillGroup) -> None:
+        """Keep the whole blocks of each prompt that the cache does not hold yet."""
+        cache = self.prefix_cache
+        for row, item in enumerate(group.items):
+            prompt, adapter = item.request.prompt_ids, item.request.adapter
+            have = cache.cached_blocks(prompt, adapter)
+            if (have + 1) * cache.block_size > len(prompt):
+                continue  # every whole block is cached already
+            columns = group.kv.mask[row].nonzero().squeeze(1)  # the prompt's, in order
+            layers = group.kv.layers()
+            keys = [layer.keys[row][:, columns] for layer in layers]
+            values = [layer.values[row][:, columns] for layer in layers]
+            cache.store(prompt, adapter, keys, values, start_block=have)
 
     def _prepared(self, item: Submitted, index: int) -> Sequence | None:
         """Sample `index` of `item` ready to decode, or None when preparing it failed (its
@@ -301,6 +380,21 @@ class Scheduler:
             **extra,
         )
         return output.logits[:, -1].float().cpu()
+
+
+def _right_aligned(prefixes: list, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's [rows, heads, length, head_dim] keys and values: each row's cached prefix
+    (None: none) on the right, zeros on the left."""
+    keys_like, values_like = next((p[0][layer], p[1][layer]) for p in prefixes if p is not None)
+    rows = len(prefixes)
+    keys = keys_like.new_zeros((rows, keys_like.shape[0], length, keys_like.shape[-1]))
+    values = values_like.new_zeros((rows, values_like.shape[0], length, values_like.shape[-1]))
+    for row, prefix in enumerate(prefixes):
+        if prefix is not None:
+            n = prefix[0][layer].shape[1]
+            keys[row, :, length - n :] = prefix[0][layer]
+            values[row, :, length - n :] = prefix[1][layer]
+    return keys, values
 
 
 def _seeded(seed: int) -> torch.Generator:

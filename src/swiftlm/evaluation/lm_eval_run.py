@@ -30,7 +30,10 @@ def run_lm_eval_backend(cfg: EvalConfig) -> dict:
     prepared = prepare_tasks(cfg.eval.eval_dataset)  # bad task names fail before the model loads
     spec = resolve_inference_model(cfg)
     print(f"Loading {spec.description}", flush=True)
-    engine = engine_for_model(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
+    engine = engine_for_model(
+        spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size,
+        prefix_cache_memory=cfg.infer.prefix_cache_memory,
+    )  # fmt: skip
     out = output_dir(cfg, spec, None)
     save_config(cfg, out / "config.yaml", UNUSED_FLAGS["eval"])
     wall = time.perf_counter()

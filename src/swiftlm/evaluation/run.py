@@ -150,7 +150,10 @@ def open_backend(cfg: EvalConfig, spec):
         )
         return backend, endpoint_model_entry(backend)
     print(f"Loading {spec.description}", flush=True)
-    engine = engine_for_model(spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size)
+    engine = engine_for_model(
+        spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size,
+        prefix_cache_memory=cfg.infer.prefix_cache_memory,
+    )  # fmt: skip
     return LocalBackend(engine, spec.description), local_model_entry(spec, engine)
 
 

@@ -48,6 +48,13 @@ class InferArguments:
         default_factory=list,
     )
     seed: int = doc("Seed for sampling.", default=42)
+    prefix_cache_memory: int = doc(
+        "MiB of keys and values of prompt prefixes the engine keeps across requests (prefix "
+        "caching): a prompt that starts like an earlier one (a chat resending its history, a "
+        "shared system prompt or few-shot header) prefills only the rest. Least recently used "
+        "blocks go first beyond it; 0 turns it off. Text models only.",
+        default=256,
+    )
 
     def __post_init__(self):
-        check_fields(self, max_batch_size=at_least(1))
+        check_fields(self, max_batch_size=at_least(1), prefix_cache_memory=at_least(0))

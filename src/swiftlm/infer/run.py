@@ -38,8 +38,9 @@ def run(cfg: InferConfig) -> list[dict] | None:
         samples = load_prompts(cfg, spec.system, vision=True)
     print(f"Loading {spec.description}", flush=True)
     engine = build_chat_engine(
-        spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size, spec.max_pixels
-    )
+        spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size, spec.max_pixels,
+        prefix_cache_memory=cfg.infer.prefix_cache_memory,
+    )  # fmt: skip
     try:
         if cfg.data.val_dataset:
             return run_batch(engine, cfg, spec, samples)

@@ -6,6 +6,7 @@ model the conversations and tokens it scored."""
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from swiftlm.engine.protocol import Engine, SampleDelta
 
@@ -49,6 +50,7 @@ class GenerationMetrics(ServerMetrics):
         queue.set_function(lambda: engine.stats().waiting)
         running = Gauge("swiftlm_running_sequences", "Sequences decoding now.", registry=r)
         running.set_function(lambda: engine.stats().running)
+        r.register(PrefillCounters(engine))
         self.time_to_first_token = self._histogram(
             "swiftlm_time_to_first_token_seconds", "From admission to a sample's first token."
         )
@@ -109,3 +111,24 @@ class ScoringMetrics(ServerMetrics):
     def count_scored(self, model: str, conversations: int, tokens: int) -> None:
         self.scored.inc(conversations)
         self.prompt_tokens.labels(model).inc(tokens)
+
+
+class PrefillCounters:
+    """The engine's own prompt-token counts, read when /metrics is scraped: tokens run
+    through the model (`swiftlm_prefill_tokens_total`) and tokens whose keys and values came
+    from the prefix cache instead (`swiftlm_prefix_cache_hit_tokens_total`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        yield CounterMetricFamily(
+            "swiftlm_prefill_tokens", "Prompt tokens prefilled by the model.",
+            value=stats.prefill_tokens,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "swiftlm_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache (prefill saved).",
+            value=stats.prefix_hit_tokens,
+        )

@@ -89,6 +89,7 @@ def start_engine(cfg: DeployConfig, plan: DeployPlan):
         adapters=plan.named_adapters,
         max_model_len=d.max_model_len,
         max_pixels=plan.spec.max_pixels,
+        prefix_cache_memory=cfg.infer.prefix_cache_memory,
     )
 
 
