@@ -194,15 +194,10 @@ class ContinuousEngine:
 
 
 def default_max_model_len(model) -> int:
-    """The model's context length, at most `DEFAULT_MAX_MODEL_LEN` and, for a model with
-    sliding-window layers, at most the window: the batch cache keeps every layer whole, which
-    is only right while no sequence outgrows the window."""
+    """The model's context length, at most `DEFAULT_MAX_MODEL_LEN`. Sliding-window layers
+    do not shorten it: their window is applied by mask (`windows.py`)."""
     config = model.config.get_text_config()
     context = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-    window = getattr(config, "sliding_window", None)
-    sliding = window and any("sliding" in t for t in getattr(config, "layer_types", None) or ())
-    if sliding or (window and getattr(config, "use_sliding_window", True)):
-        context = min(context, window)
     return min(context, DEFAULT_MAX_MODEL_LEN)
 
 

@@ -6,7 +6,8 @@ place (no `torch.cat` of the whole cache per step, as `DynamicLayer` does); rows
 `merge` (right-aligned, so every row's newest token is in the last column) and leave by
 `select`, which also drops leading columns that only padding uses.
 
-Only full-attention layers are supported: sliding-window layers would need their own mask.
+Every layer keeps every column; sliding-window layers see only their window through their
+mask (`windows.py`), so their old columns are kept, not evicted.
 """
 
 import torch

@@ -38,6 +38,7 @@ from swiftlm.engine.protocol import (
 )
 from swiftlm.engine.sampling import RowState, make_generator, sample_each
 from swiftlm.engine.sequence import Sequence
+from swiftlm.engine.windows import WindowMasks, sliding_window
 
 log = logging.getLogger(__name__)
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
@@ -94,6 +95,11 @@ class Scheduler:
         self.adapters = frozenset(adapters)
         self.seeds = random.Random(seed)  # seeds of requests that bring none
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        config = model.config.get_text_config()
+        window = sliding_window(config)
+        # Sliding-window layers get their window on token positions, not cache columns.
+        self.window_masks = WindowMasks(config, window) if window else None
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.waiting: deque[Submitted] = deque()
         self.group: PrefillGroup | None = None
@@ -367,12 +373,15 @@ class Scheduler:
     def _forward(self, ids, new_mask, positions, kv: BatchKV, adapters) -> torch.Tensor:
         """Logits of each row's last column, float32 on the CPU; `kv` grows by the columns."""
         mask = kv.extend_mask(new_mask.to(self.device))
+        attention = mask
+        if self.window_masks is not None:
+            attention = self.window_masks(mask, ids.shape[1], kv.cache, self.dtype)
         extra = {}
         if self.adapters:
             extra["adapter_names"] = [a or BASE_ADAPTER for a in adapters]
         output = self.model(
             input_ids=ids.to(self.device),
-            attention_mask=mask,
+            attention_mask=attention,
             position_ids=positions.to(self.device),
             cache=kv.cache,
             use_cache=True,
