@@ -110,7 +110,7 @@ class ContinuousEngine:
         self.generated_tokens = 0
         self.scheduler.prefill_tokens = 0
         if self.scheduler.prefix_cache is not None:
-            self.scheduler.prefix_cache = PrefixCache(self.scheduler.prefix_cache.budget_bytes)
+            self.scheduler.prefix_cache.clear()
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -50,7 +50,8 @@ class PrefixCache:
         self.evicted_blocks = 0
 
     def digests(self, tokens: list[int], adapter: str | None) -> list[bytes]:
-        """The digest of each whole block of `tokens`, in order."""
+        """The digest of each whole block of `tokens`, in order: what `lookup` and `store`
+        take (a prompt's are computed once)."""
         out, previous = [], (adapter or "").encode()
         size = self.block_size
         for start in range(0, len(tokens) - size + 1, size):
@@ -59,11 +60,11 @@ class PrefixCache:
             out.append(previous)
         return out
 
-    def lookup(self, tokens: list[int], adapter: str | None, limit: int) -> list[Block]:
-        """The cached blocks of the longest prefix of `tokens` (at most `limit` tokens), most
-        recently used from now on."""
+    def lookup(self, digests: list[bytes]) -> list[Block]:
+        """The cached blocks of the longest run of `digests` from the start, most recently
+        used from now on."""
         found = []
-        for digest in self.digests(tokens[:limit], adapter):
+        for digest in digests:
             block = self.blocks.get(digest)
             if block is None:
                 break
@@ -71,21 +72,12 @@ class PrefixCache:
             found.append(block)
         return found
 
-    def cached_blocks(self, tokens: list[int], adapter: str | None) -> int:
-        """How many whole blocks of `tokens` from the start are cached now."""
-        count = 0
-        for digest in self.digests(tokens, adapter):
-            if digest not in self.blocks:
-                break
-            count += 1
-        return count
-
-    def store(self, tokens: list[int], adapter: str | None, keys, values, start_block=0) -> None:
-        """Keep the whole blocks of `tokens` from `start_block` on; `keys[layer]` and
-        `values[layer]` hold the prompt's [heads, len(tokens), head_dim] (copied here)."""
+    def store(self, digests: list[bytes], keys, values) -> None:
+        """Keep the blocks of `digests` the cache lacks; `keys[layer]` and `values[layer]` hold
+        their tokens' [heads, tokens, head_dim] from the first block on (copied here)."""
         size = self.block_size
-        for index, digest in enumerate(self.digests(tokens, adapter)):
-            if index < start_block or digest in self.blocks:
+        for index, digest in enumerate(digests):
+            if digest in self.blocks:
                 continue
             span = slice(index * size, (index + 1) * size)
             block = Block([k[:, span].clone() for k in keys], [v[:, span].clone() for v in values])
@@ -94,8 +86,9 @@ class PrefixCache:
         self._evict()
 
     def clear(self) -> None:
+        """Drop every block and start the counts again (after the weights changed)."""
         self.blocks.clear()
-        self.used_bytes = 0
+        self.used_bytes = self.hit_tokens = self.evicted_blocks = 0
 
     def _evict(self) -> None:
         while self.used_bytes > self.budget_bytes and self.blocks:

@@ -51,6 +51,8 @@ DEFER_SHARED_TOKENS = 64
 class Submitted:
     request: GenerationRequest
     on_delta: Callable[[SampleDelta], None]
+    # The prompt's block digests in the prefix cache, computed once (`Scheduler._digests`).
+    digests: list[bytes] | None = None
 
 
 @dataclass
@@ -194,10 +196,10 @@ class Scheduler:
         which reads them from the cache instead of prefilling them again (16 requests sending
         one long system prompt at once prefill it once). Otherwise its uncached blocks join
         `uncached`."""
-        cache, prompt = self.prefix_cache, item.request.prompt_ids
+        cache = self.prefix_cache
         if cache is None:
             return False
-        digests = cache.digests(prompt[:-1], item.request.adapter)
+        digests = self._digests(item)
         shared = 0
         for digest in digests:
             if digest in uncached:
@@ -218,8 +220,9 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is None:
             return [0] * len(items)
+        # A prompt's last token is never read from the cache: its logits give the first sample.
         found = [
-            cache.lookup(i.request.prompt_ids, i.request.adapter, len(i.request.prompt_ids) - 1)
+            cache.lookup(self._digests(i)[: (len(i.request.prompt_ids) - 1) // cache.block_size])
             for i in items
         ]
         cached = [len(blocks) * cache.block_size for blocks in found]
@@ -282,15 +285,19 @@ class Scheduler:
         """Keep the whole blocks of each prompt that the cache does not hold yet."""
         cache = self.prefix_cache
         for row, item in enumerate(group.items):
-            prompt, adapter = item.request.prompt_ids, item.request.adapter
-            have = cache.cached_blocks(prompt, adapter)
-            if (have + 1) * cache.block_size > len(prompt):
-                continue  # every whole block is cached already
+            digests = self._digests(item)
+            if all(digest in cache.blocks for digest in digests):
+                continue
             columns = group.kv.mask[row].nonzero().squeeze(1)  # the prompt's, in order
             layers = group.kv.layers()
             keys = [layer.keys[row][:, columns] for layer in layers]
             values = [layer.values[row][:, columns] for layer in layers]
-            cache.store(prompt, adapter, keys, values, start_block=have)
+            cache.store(digests, keys, values)
+
+    def _digests(self, item: Submitted) -> list[bytes]:
+        if item.digests is None:
+            item.digests = self.prefix_cache.digests(item.request.prompt_ids, item.request.adapter)
+        return item.digests
 
     def _prepared(self, item: Submitted, index: int) -> Sequence | None:
         """Sample `index` of `item` ready to decode, or None when preparing it failed (its
