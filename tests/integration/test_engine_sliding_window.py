@@ -18,6 +18,7 @@ from transformers import (
 from conftest import build_tokenizer
 from swiftlm.engine.continuous import ContinuousEngine, default_max_model_len
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams
+from swiftlm.engine.speculation import Speculation
 
 WINDOW = 8
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -67,14 +68,21 @@ def reference(model, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize(
     "build", [qwen2_mixed, mistral, gemma2], ids=["qwen2-mixed", "mistral", "gemma2"]
 )
-@pytest.mark.parametrize("cache_bytes", [0, 2**24], ids=["no-prefix-cache", "prefix-cache"])
-def test_greedy_equals_generate_past_the_window(tokenizer, build, cache_bytes):
+@pytest.mark.parametrize(
+    ("cache_bytes", "speculation"),
+    [(0, None), (2**24, None), (0, Speculation(tokens=5, max_rows=8))],
+    ids=["no-prefix-cache", "prefix-cache", "speculative"],
+)
+def test_greedy_equals_generate_past_the_window(tokenizer, build, cache_bytes, speculation):
+    """Speculative steps leave masked columns after a row's accepted tokens when another row
+    accepted more: the window must count past them too."""
     torch.manual_seed(0)
     model = build(len(tokenizer)).eval()
     assert default_max_model_len(model) == 512  # the window no longer caps the context
     engine = ContinuousEngine(
-        model, tokenizer, stop_token_ids=[2], max_num_seqs=8, prefix_cache_bytes=cache_bytes
-    )
+        model, tokenizer, stop_token_ids=[2], max_num_seqs=8, prefix_cache_bytes=cache_bytes,
+        speculation=speculation,
+    )  # fmt: skip
     try:
         prompts = PROMPTS
         if cache_bytes:
@@ -84,6 +92,8 @@ def test_greedy_equals_generate_past_the_window(tokenizer, build, cache_bytes):
             engine.generate([GenerationRequest(PROMPTS[1][:16] + [3], GREEDY)])
             prompts = [*PROMPTS, PROMPTS[1][:16] + [9, 9], list(range(50, 90))]
         results = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+        if speculation:
+            assert engine.stats().accepted_draft_tokens > 0
         if cache_bytes:
             assert engine.stats().prefix_hit_tokens == 32  # PROMPTS[1] and the new row
     finally:

@@ -311,6 +311,31 @@ def test_batch_mode_writes_one_line_per_sample_in_order(run_dir, run_engine, tmp
     assert "Answered 4 samples in " in out and f"results: {result}" in out
 
 
+def test_batch_mode_with_speculative_decoding_writes_the_same_answers(
+    run_dir, run_engine, tmp_path, monkeypatch
+):
+    """`--speculative_tokens` reaches the engine, which drafts, and the answers are the
+    plain engine's (float32: token for token)."""
+    prompts = [PROMPTS[1][1:], PROMPTS[2]]
+    data = write_jsonl(tmp_path / "val.jsonl", [{"messages": p} for p in prompts])
+    built = []
+
+    def recording(*args, **kwargs):
+        built.append(build_chat_engine(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(run_module, "build_chat_engine", recording)
+    cfg = infer_config(
+        ckpt_dir=str(run_dir), result_path=str(tmp_path / "out.jsonl"), speculative_tokens=4
+    )
+    cfg.data = DataArguments(val_dataset=[str(data)])
+    records = run(cfg)
+    system = {"role": "system", "content": SYSTEM}
+    expected = [run_engine.generate([[system, *p]], GREEDY)[0] for p in prompts]
+    assert [r["response"] for r in records] == expected
+    assert built[0].engine.stats().draft_tokens > 0
+
+
 @pytest.mark.bad_input(
     input="`swiftlm infer --val_dataset` with rows that cannot be answered: a prompt longer "
     "than the context, or a row whose generation fails inside the engine",

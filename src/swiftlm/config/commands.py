@@ -175,7 +175,10 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
         # check (default: the evaluated run's), --system the system prompt of chat tasks.
         "data": ("dataset", "system"),
         "generation": ALL,
-        "infer": ("adapters", "ckpt_dir", "max_batch_size", "seed", "prefix_cache_memory"),
+        "infer": (
+            "adapters", "ckpt_dir", "max_batch_size", "seed", "prefix_cache_memory",
+            "speculative_tokens",
+        ),  # fmt: skip
         "eval": ALL,
         "overwrite": ALL,
         "plugins": ALL,
@@ -195,7 +198,7 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
         # Requests bring their own prompts, sampling and images (image_url parts); a reward
         # model is served for scoring (/v1/score), found from its files.
         "data": ("system", "max_pixels"),
-        "infer": ("adapters", "ckpt_dir", "seed", "prefix_cache_memory"),
+        "infer": ("adapters", "ckpt_dir", "seed", "prefix_cache_memory", "speculative_tokens"),
         "deploy": ALL,
         "plugins": ALL,
     },

@@ -1,8 +1,9 @@
 """The generation engines and how they are built: requests in, token deltas (or scores) out.
 
 The core, the continuous-batching engine (`protocol.py`, `continuous.py` and what it runs:
-`scheduler.py`, `kvcache.py`, `prefix_cache.py`, `windows.py`, `sampling.py`, `detokenize.py`, `sequence.py`, and the
-structured-output grammars of `grammar.py`), runs over any transformers causal LM (peft
+`scheduler.py`, `kvcache.py`, `prefix_cache.py`, `windows.py`, `speculation.py`,
+`sampling.py`, `detokenize.py`, `sequence.py`, and the structured-output grammars of
+`grammar.py`), runs over any transformers causal LM (peft
 adapters included) and knows nothing of files, configs or servers (a contract in
 pyproject.toml holds it to that), so every layer that generates builds on it: the online
 training methods (GRPO, GKD) sample from the live policy being trained with it.

@@ -19,8 +19,9 @@ import warnings
 from dataclasses import dataclass
 
 from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
+from swiftlm.engine.speculation import Speculation
 from swiftlm.engine.vision import VisionEngine, build_vision_engine, is_vision_model
-from swiftlm.errors import ModelLoadError
+from swiftlm.errors import ConfigError, ModelLoadError
 from swiftlm.models.config import ModelArguments
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
 
@@ -49,11 +50,13 @@ def engine_for_model(
     max_model_len: int | None = None,
     max_pixels: int = 0,
     prefix_cache_memory: int = 0,
+    speculative_tokens: int = 0,
 ) -> ContinuousEngine | VisionEngine:
     """The engine for a resolved model: its run adapters merged in, `adapters` (name -> folder)
     served unmerged beside it (`swiftlm deploy`). A vision-language model gets a
     `VisionEngine` (transformers' generate, one request at a time: continuous batching is
-    text-only). `prefix_cache_memory`: MiB of the text engine's prefix cache (0: none)."""
+    text-only). `prefix_cache_memory`: MiB of the text engine's prefix cache (0: none);
+    `speculative_tokens`: its prompt-lookup draft tokens per step (0: no speculation)."""
     options = dict(
         tokenizer_path=spec.tokenizer_path,
         merge_adapters=spec.adapters,
@@ -65,11 +68,18 @@ def engine_for_model(
         seed=seed,
     )
     if is_vision_model(spec.base_path):
+        if speculative_tokens:
+            raise ConfigError(
+                f"--speculative_tokens {speculative_tokens}: {spec.base_path} is a "
+                "vision-language model, answered one request at a time through transformers' "
+                "generate, which has no speculative decoding here; drop the flag"
+            )
         return build_vision_engine(spec.base_path, max_pixels=max_pixels, **options)
     return build_engine(
         spec.base_path,
         max_num_seqs=max_num_seqs,
         prefix_cache_bytes=prefix_cache_memory * 2**20,
+        speculation=Speculation(speculative_tokens) if speculative_tokens else None,
         **options,
     )
 
@@ -89,6 +99,7 @@ def build_engine(
     seed: int = 0,
     warmup: bool = True,
     prefix_cache_bytes: int = 0,
+    speculation: Speculation | None = None,
 ) -> ContinuousEngine:
     """Load `model_path` (a local folder or hub id: see `models.loader.resolve_model`) and
     start its engine. `adapters` maps served names to adapter folders; `max_model_len`
@@ -109,6 +120,7 @@ def build_engine(
         adapters=tuple(adapters or {}),
         seed=seed,
         prefix_cache_bytes=prefix_cache_bytes,
+        speculation=speculation,
     )
     if warmup:
         engine.warmup()

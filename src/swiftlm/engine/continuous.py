@@ -23,6 +23,7 @@ from swiftlm.engine.protocol import (
     new_error_id,
 )
 from swiftlm.engine.scheduler import Scheduler, Submitted
+from swiftlm.engine.speculation import Speculation, SpeculationCounters
 from swiftlm.models.templates import end_of_turn_token
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,12 @@ class ContinuousEngine:
         seed: int = 0,
         inference_mode: bool = True,
         prefix_cache_bytes: int = 0,
+        speculation: Speculation | None = None,
     ):
         """`prefix_cache_bytes`: the budget of the prefix cache (`prefix_cache.py`), 0 for
-        none. Only for fixed weights: an engine over a model that trains must keep none."""
+        none. Only for fixed weights: an engine over a model that trains must keep none.
+        `speculation`: prompt-lookup speculative decoding for small batches
+        (`speculation.py`), None for none."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -62,6 +66,7 @@ class ContinuousEngine:
             adapters=adapters,
             seed=seed,
             prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None,
+            speculation=speculation,
         )
         self.stop_token_ids = sorted(stop_token_ids)
         # False: plain no_grad. Sampling from a model that trains right after (FSDP2 keeps
@@ -109,6 +114,7 @@ class ContinuousEngine:
         self.generate([GenerationRequest(prompt, params) for _ in range(self.max_num_seqs)])
         self.generated_tokens = 0
         self.scheduler.prefill_tokens = 0
+        self.scheduler.speculated = SpeculationCounters()
         if self.scheduler.prefix_cache is not None:
             self.scheduler.prefix_cache.clear()
 
@@ -117,6 +123,7 @@ class ContinuousEngine:
             waiting = len(self._incoming) + len(self.scheduler.waiting)
             running = self.scheduler.running_count()
         cache = self.scheduler.prefix_cache
+        speculated = self.scheduler.speculated
         return EngineStats(
             running,
             waiting,
@@ -124,6 +131,8 @@ class ContinuousEngine:
             self.max_model_len,
             prefill_tokens=self.scheduler.prefill_tokens,
             prefix_hit_tokens=cache.hit_tokens if cache else 0,
+            draft_tokens=speculated.draft_tokens,
+            accepted_draft_tokens=speculated.accepted_tokens,
         )
 
     def shutdown(self) -> None:

@@ -4,7 +4,10 @@ Every row of the batch shares one column axis; a row that started later (shorter
 padding columns on its left, masked out by `mask`. Decoding writes one column per step in
 place (no `torch.cat` of the whole cache per step, as `DynamicLayer` does); rows join by
 `merge` (right-aligned, so every row's newest token is in the last column) and leave by
-`select`, which also drops leading columns that only padding uses.
+`select`, which also drops leading columns that only padding uses. A speculative step
+writes several columns per row and keeps each row's accepted ones (`keep_new_columns`): a row
+that accepted fewer than another has masked columns after its tokens, which its position ids
+skip as they skip left padding.
 
 Every layer keeps every column; sliding-window layers see only their window through their
 mask (`windows.py`), so their old columns are kept, not evicted.
@@ -48,6 +51,10 @@ class SlotLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def truncate(self, length: int) -> None:
+        """Forget the columns from `length` on (their buffer space is reused)."""
+        self.length = min(self.length, length)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -115,6 +122,18 @@ class BatchKV:
         """The attention mask for a forward that adds `columns` ([rows, k], 1 = real)."""
         self.mask = torch.cat([self.mask, columns.to(self.mask)], dim=1)
         return self.mask
+
+    def keep_new_columns(self, added: int, kept: list[int]) -> None:
+        """After a forward that added `added` columns to every row, keep only the first
+        `kept[i]` of them for row i (speculative decoding: the columns of its accepted draft
+        tokens). The rest of a row's are masked out; columns that no row keeps are dropped."""
+        start = self.length - added
+        keep = torch.arange(added).unsqueeze(0) < torch.tensor(kept).unsqueeze(1)
+        self.mask[:, start:] *= keep.to(self.mask)
+        length = start + max(kept)
+        self.mask = self.mask[:, :length]
+        for layer in self.layers():
+            layer.truncate(length)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices), then drop leading columns no kept row uses."""

@@ -209,6 +209,8 @@ class EngineStats:
     max_model_len: int  # prompt + generated tokens of one sequence, at most
     prefill_tokens: int = 0  # prompt tokens run through the model so far
     prefix_hit_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    draft_tokens: int = 0  # speculative draft tokens checked
+    accepted_draft_tokens: int = 0  # of those, the ones sampling agreed with (kept)
 
 
 class Engine(Protocol):

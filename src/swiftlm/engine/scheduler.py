@@ -9,6 +9,8 @@ One `step()` of the loop:
    rows n times for n samples, and merge them into the running batch's cache;
 3. one decode step for every running row: one forward over the left-padded batch with per-row
    position ids and a 2D padding mask, per-row sampling, deltas out, finished rows dropped.
+   With speculation (`speculation.py`) and a small batch, the step also checks each row's
+   draft tokens in the same forward and keeps the ones its sampling agrees with.
 
 Requests that use different adapters share the forward through peft's per-row
 `adapter_names`; rows on the base model use peft's "__base__".
@@ -38,6 +40,7 @@ from swiftlm.engine.protocol import (
 )
 from swiftlm.engine.sampling import RowState, make_generator, sample_each
 from swiftlm.engine.sequence import Sequence
+from swiftlm.engine.speculation import Speculation, SpeculationCounters
 from swiftlm.engine.windows import WindowMasks, sliding_window
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class Scheduler:
         adapters,
         seed: int,
         prefix_cache: PrefixCache | None = None,
+        speculation: Speculation | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -112,6 +116,8 @@ class Scheduler:
         self.kv = BatchKV(self.num_layers, 0, self.device)
         self.prefix_cache = prefix_cache
         self.prefill_tokens = 0  # prompt tokens run through the model (not from the cache)
+        self.speculation = speculation
+        self.speculated = SpeculationCounters()
 
     # -- what there is to do --------------------------------------------------------------
 
@@ -253,7 +259,7 @@ class Scheduler:
         group.done = end
         if end < width:
             return
-        self._start_sequences(group, logits)
+        self._start_sequences(group, logits[:, -1])
 
     def _start_sequences(self, group: PrefillGroup, logits: torch.Tensor) -> None:
         """Sample each sample's first token from its prompt's logits; the unfinished rows
@@ -336,12 +342,82 @@ class Scheduler:
     # -- decoding ------------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        ids = torch.tensor([[seq.last_token] for seq in self.running])
-        positions = torch.tensor([[seq.position] for seq in self.running])
-        adapters = [seq.adapter for seq in self.running]
-        logits = self._forward(ids, torch.ones_like(ids), positions, self.kv, adapters)
-        self._advance(self.running, logits)
+        drafts = self._drafts()
+        if drafts:
+            self._decode_speculative(drafts)
+        else:
+            ids = torch.tensor([[seq.last_token] for seq in self.running])
+            positions = torch.tensor([[seq.position] for seq in self.running])
+            adapters = [seq.adapter for seq in self.running]
+            logits = self._forward(ids, torch.ones_like(ids), positions, self.kv, adapters)
+            self._advance(self.running, logits[:, -1])
         self._drop_finished()
+
+    def _drafts(self) -> list[list[int]] | None:
+        """Each running row's draft tokens, or None when this step does not speculate (off,
+        a batch too large, or no row has a draft)."""
+        speculation = self.speculation
+        if speculation is None or len(self.running) > speculation.max_rows:
+            return None
+        drafts = []
+        for seq in self.running:
+            # The step samples one token more than the draft: stay within max_new_tokens.
+            room = seq.max_new_tokens - len(seq.row.output_ids) - 1
+            history = seq.row.prompt_ids + seq.row.output_ids
+            ready = seq.draft_backoff.ready()
+            drafts.append(speculation.propose(history, room) if ready else [])
+        return drafts if any(drafts) else None
+
+    def _decode_speculative(self, drafts: list[list[int]]) -> None:
+        """One forward over each row's last token and its draft (right-padded, masked), then
+        per position the rows still agreeing sample their next token from that position's
+        logits, as a plain step would; a row stops at its first token that differs from its
+        draft (that token is its next input, like any sampled token)."""
+        running = self.running
+        width = 1 + max(len(draft) for draft in drafts)
+        ids = torch.zeros((len(running), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (seq, draft) in enumerate(zip(running, drafts, strict=True)):
+            ids[row, : 1 + len(draft)] = torch.tensor([seq.last_token, *draft])
+            mask[row, : 1 + len(draft)] = 1
+        start = torch.tensor([seq.position for seq in running]).unsqueeze(1)
+        positions = start + torch.arange(width)
+        adapters = [seq.adapter for seq in running]
+        logits = self._forward(ids, mask, positions, self.kv, adapters, keep=width)
+        kept = self._verify(drafts, logits)
+        self.kv.keep_new_columns(width, kept)
+        for seq, draft, columns in zip(running, drafts, kept, strict=True):
+            if draft:
+                seq.draft_backoff.record(accepted=columns - 1)
+
+    def _verify(self, drafts: list[list[int]], logits: torch.Tensor) -> list[int]:
+        """Sample the running rows position by position from a speculative forward's
+        `logits` [rows, columns, vocab] while each agrees with its draft; per row, how many
+        of the new columns hold its accepted tokens (its last token and the draft tokens
+        sampling agreed with)."""
+        running = self.running
+        # Counted before each row's last delta goes out: a caller that reads the stats when
+        # its answer is done sees its own drafts counted.
+        counters = self.speculated
+        counters.steps += 1
+        counters.draft_tokens += sum(len(draft) for draft in drafts)
+        kept = [1] * len(running)
+        agreeing = list(range(len(running)))
+        for column in range(logits.shape[1]):
+            self._advance([running[r] for r in agreeing], logits[agreeing, column])
+            agreeing = [
+                r
+                for r in agreeing
+                if running[r].finish_reason is None
+                and column < len(drafts[r])
+                and running[r].last_token == drafts[r][column]
+            ]
+            for r in agreeing:
+                kept[r] = column + 2  # its last token and the draft up to this one
+            counters.accepted_tokens += len(agreeing)
+            if not agreeing:
+                break
+        return kept
 
     def _advance(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence and send each its delta; a sequence whose sampling or
@@ -377,8 +453,9 @@ class Scheduler:
         else:
             self.kv = BatchKV(self.num_layers, 0, self.device)
 
-    def _forward(self, ids, new_mask, positions, kv: BatchKV, adapters) -> torch.Tensor:
-        """Logits of each row's last column, float32 on the CPU; `kv` grows by the columns."""
+    def _forward(self, ids, new_mask, positions, kv: BatchKV, adapters, keep=1) -> torch.Tensor:
+        """Logits of each row's last `keep` columns, [rows, keep, vocab], float32 on the CPU;
+        `kv` grows by the columns."""
         mask = kv.extend_mask(new_mask.to(self.device))
         attention = mask
         if self.window_masks is not None:
@@ -392,10 +469,10 @@ class Scheduler:
             position_ids=positions.to(self.device),
             cache=kv.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
             **extra,
         )
-        return output.logits[:, -1].float().cpu()
+        return output.logits.float().cpu()
 
 
 def _right_aligned(prefixes: list, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

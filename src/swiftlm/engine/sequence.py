@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from swiftlm.engine.detokenize import IncrementalText, StopText
 from swiftlm.engine.protocol import GenerationRequest, SampleDelta, TokenLogprob
 from swiftlm.engine.sampling import RowState
+from swiftlm.engine.speculation import DraftBackoff
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class Sequence:
     last_token: int = -1  # the next decode step's input
     failed_callback: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    draft_backoff: DraftBackoff = field(default_factory=DraftBackoff)  # speculative decoding
 
     @property
     def request_id(self) -> str:

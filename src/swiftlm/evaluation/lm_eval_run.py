@@ -33,6 +33,7 @@ def run_lm_eval_backend(cfg: EvalConfig) -> dict:
     engine = engine_for_model(
         spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size,
         prefix_cache_memory=cfg.infer.prefix_cache_memory,
+        speculative_tokens=cfg.infer.speculative_tokens,
     )  # fmt: skip
     out = output_dir(cfg, spec, None)
     save_config(cfg, out / "config.yaml", UNUSED_FLAGS["eval"])

@@ -153,6 +153,7 @@ def open_backend(cfg: EvalConfig, spec):
     engine = engine_for_model(
         spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size,
         prefix_cache_memory=cfg.infer.prefix_cache_memory,
+        speculative_tokens=cfg.infer.speculative_tokens,
     )  # fmt: skip
     return LocalBackend(engine, spec.description), local_model_entry(spec, engine)
 

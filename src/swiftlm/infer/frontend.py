@@ -59,12 +59,13 @@ def build_chat_engine(
     max_num_seqs: int = 32,
     max_pixels: int = 0,
     prefix_cache_memory: int = 0,
+    speculative_tokens: int = 0,
 ) -> "ChatEngine":
     """The model of `spec` with its adapters merged in (infer serves one model);
     `max_pixels` (--max_pixels) scales down the images of a vision-language model."""
     engine = engine_for_model(
         spec, model_args, seed, max_num_seqs, max_pixels=max_pixels,
-        prefix_cache_memory=prefix_cache_memory,
+        prefix_cache_memory=prefix_cache_memory, speculative_tokens=speculative_tokens,
     )  # fmt: skip
     if isinstance(engine, VisionEngine):
         return VisionChatEngine(engine)

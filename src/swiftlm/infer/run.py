@@ -40,6 +40,7 @@ def run(cfg: InferConfig) -> list[dict] | None:
     engine = build_chat_engine(
         spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size, spec.max_pixels,
         prefix_cache_memory=cfg.infer.prefix_cache_memory,
+        speculative_tokens=cfg.infer.speculative_tokens,
     )  # fmt: skip
     try:
         if cfg.data.val_dataset:

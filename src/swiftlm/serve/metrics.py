@@ -50,7 +50,7 @@ class GenerationMetrics(ServerMetrics):
         queue.set_function(lambda: engine.stats().waiting)
         running = Gauge("swiftlm_running_sequences", "Sequences decoding now.", registry=r)
         running.set_function(lambda: engine.stats().running)
-        r.register(PrefillCounters(engine))
+        r.register(EngineCounters(engine))
         self.time_to_first_token = self._histogram(
             "swiftlm_time_to_first_token_seconds", "From admission to a sample's first token."
         )
@@ -113,10 +113,12 @@ class ScoringMetrics(ServerMetrics):
         self.prompt_tokens.labels(model).inc(tokens)
 
 
-class PrefillCounters:
-    """The engine's own prompt-token counts, read when /metrics is scraped: tokens run
-    through the model (`swiftlm_prefill_tokens_total`) and tokens whose keys and values came
-    from the prefix cache instead (`swiftlm_prefix_cache_hit_tokens_total`)."""
+class EngineCounters:
+    """The engine's own token counts, read when /metrics is scraped: prompt tokens run
+    through the model (`swiftlm_prefill_tokens_total`), prompt tokens whose keys and values
+    came from the prefix cache instead (`swiftlm_prefix_cache_hit_tokens_total`), and
+    speculative draft tokens checked and accepted (`swiftlm_spec_draft_tokens_total`,
+    `swiftlm_spec_accepted_tokens_total`: their ratio is the acceptance rate)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -131,4 +133,13 @@ class PrefillCounters:
             "swiftlm_prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache (prefill saved).",
             value=stats.prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "swiftlm_spec_draft_tokens", "Speculative draft tokens checked by the model.",
+            value=stats.draft_tokens,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "swiftlm_spec_accepted_tokens",
+            "Speculative draft tokens accepted (generated without a forward of their own).",
+            value=stats.accepted_draft_tokens,
         )

@@ -90,6 +90,7 @@ def start_engine(cfg: DeployConfig, plan: DeployPlan):
         max_model_len=d.max_model_len,
         max_pixels=plan.spec.max_pixels,
         prefix_cache_memory=cfg.infer.prefix_cache_memory,
+        speculative_tokens=cfg.infer.speculative_tokens,
     )
 
 
