@@ -113,6 +113,27 @@ class ScoringMetrics(ServerMetrics):
         self.prompt_tokens.labels(model).inc(tokens)
 
 
+# name (Prometheus adds `_total`), help text, the `EngineStats` field it counts
+ENGINE_COUNTERS = (
+    ("swiftlm_prefill_tokens", "Prompt tokens prefilled by the model.", "prefill_tokens"),
+    (
+        "swiftlm_prefix_cache_hit_tokens",
+        "Prompt tokens served from the prefix cache (prefill saved).",
+        "prefix_hit_tokens",
+    ),
+    (
+        "swiftlm_spec_draft_tokens",
+        "Speculative draft tokens checked by the model.",
+        "draft_tokens",
+    ),
+    (
+        "swiftlm_spec_accepted_tokens",
+        "Speculative draft tokens accepted (generated without a forward of their own).",
+        "accepted_draft_tokens",
+    ),
+)
+
+
 class EngineCounters:
     """The engine's own token counts, read when /metrics is scraped: prompt tokens run
     through the model (`swiftlm_prefill_tokens_total`), prompt tokens whose keys and values
@@ -125,21 +146,5 @@ class EngineCounters:
 
     def collect(self):
         stats = self.engine.stats()
-        yield CounterMetricFamily(
-            "swiftlm_prefill_tokens", "Prompt tokens prefilled by the model.",
-            value=stats.prefill_tokens,
-        )  # fmt: skip
-        yield CounterMetricFamily(
-            "swiftlm_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache (prefill saved).",
-            value=stats.prefix_hit_tokens,
-        )
-        yield CounterMetricFamily(
-            "swiftlm_spec_draft_tokens", "Speculative draft tokens checked by the model.",
-            value=stats.draft_tokens,
-        )  # fmt: skip
-        yield CounterMetricFamily(
-            "swiftlm_spec_accepted_tokens",
-            "Speculative draft tokens accepted (generated without a forward of their own).",
-            value=stats.accepted_draft_tokens,
-        )
+        for name, text, field in ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, text, value=getattr(stats, field))
