@@ -163,11 +163,12 @@ def test_metrics_expose_draft_and_accepted_tokens(tiny):
 @pytest.mark.parametrize(
     ("history", "limit", "draft"),
     [
-        ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 5, [8, 1, 2, 3]),  # most recent occurrence first
+        ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 5, [8, 1, 2, 3, 8]),  # the most recent occurrence
         ([1, 2, 3, 4, 5, 6, 2, 3], 2, [4, 5]),  # at most `limit` tokens
-        ([5, 1, 7, 7, 1], 5, [7, 7, 1]),  # no 2-gram match: the last token alone
+        ([5, 1, 7, 7, 1], 5, [7, 7, 1, 7, 7]),  # the last token alone; the copy runs on
         ([1, 2, 3, 4], 5, []),  # nothing repeats
-        ([4, 4, 4, 4], 2, [4]),  # a run: the continuation is the run's last token
+        ([4, 4, 4, 4], 3, [4, 4, 4]),  # a run continues as the run
+        ([8, 1, 2, 1, 2], 5, [1, 2, 1, 2, 1]),  # a loop continues as the loop
     ],
 )
 def test_prompt_lookup_proposes_what_followed_the_last_ngram(history, limit, draft):
@@ -194,3 +195,31 @@ def test_grammar_constrained_rows_equal_plain_decoding(tiny):
         (s.token_ids, s.finish_reason) for r in expected for s in r
     ]
     assert stats.accepted_draft_tokens > 0
+
+
+def test_learned_positions_stay_in_range_at_the_context_end(tiny):
+    """GPT-2 embeds positions from a table of n_positions rows. A row's masked padding columns
+    in a speculative step keep to its last real position, so a row one token before the end
+    of the context (no room for a draft) shares a step with a row drafting 6 tokens without
+    leaving the table."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tiny[1]), n_positions=48, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # every answer is token 9 after token 9: every draft is accepted
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(model.transformer.wte.weight[9] * 10)
+    # Both rows have 1 token after prefill, 2 after a plain step (a lone 9 has no earlier
+    # occurrence), then 9 and 16 after two steps of 6 accepted tokens and one sampled. There
+    # row 0 is at position 46 with room for no draft, row 1 drafts 6.
+    requests = [
+        GenerationRequest(list(range(10, 41)), replace(GREEDY, max_tokens=17)),
+        GenerationRequest([5, 6] * 4, replace(GREEDY, max_tokens=40)),
+    ]
+    engine = ContinuousEngine(model, tiny[1], stop_token_ids=[2], speculation=Speculation(6))
+    try:
+        got = tokens(engine.generate(requests))
+    finally:
+        engine.shutdown()
+    assert got == [[9] * 17, [9] * 40]

@@ -381,7 +381,10 @@ class Scheduler:
             ids[row, : 1 + len(draft)] = torch.tensor([seq.last_token, *draft])
             mask[row, : 1 + len(draft)] = 1
         start = torch.tensor([seq.position for seq in running]).unsqueeze(1)
-        positions = start + torch.arange(width)
+        last = start + torch.tensor([len(draft) for draft in drafts]).unsqueeze(1)
+        # A row's padding columns repeat its last position: past it a position could leave
+        # the range of a model with learned position embeddings near the context's end.
+        positions = torch.minimum(start + torch.arange(width), last)
         adapters = [seq.adapter for seq in running]
         logits = self._forward(ids, mask, positions, self.kv, adapters, keep=width)
         kept = self._verify(drafts, logits)

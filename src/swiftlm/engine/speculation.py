@@ -4,7 +4,7 @@ A decode step of one stream on a CPU costs about the same for 1 token as for 8 (
 to per-operator dispatch and reading the weights, not arithmetic), so checking several
 guessed tokens in one forward is nearly free. The guess: find the sequence's last n tokens
 (n = `max_ngram` down to 1) earlier in its prompt and output, most recent occurrence first,
-and propose the tokens that followed there (as Hugging Face's prompt lookup and vLLM's
+and propose the tokens that followed there, continued periodically where they reach the end (as Hugging Face's prompt lookup and vLLM's
 "ngram" method do). Answers that quote their prompt (summaries, edits, retrieval, code) and
 text that repeats itself accept long runs of them.
 
@@ -49,9 +49,19 @@ class Speculation:
             windows = ids[:-1].unfold(0, n, 1)
             hits = (windows == ids[-n:]).all(dim=1).nonzero()
             if len(hits):
-                start = int(hits[-1]) + n  # the token after the most recent occurrence
-                return history[start : start + count]
+                return _copied(history, int(hits[-1]) + n, count)
         return []
+
+
+def _copied(history: list[int], start: int, count: int) -> list[int]:
+    """`count` tokens copied from `history[start:]` on, the copy running on into the tokens
+    it has copied where it reaches the end (as LZ77 copies do): text that repeats with a
+    period shorter than `count` (a run of one token, a looping phrase) drafts whole periods,
+    not only the tokens left before the end."""
+    tokens = list(history)
+    for i in range(count):
+        tokens.append(tokens[start + i])
+    return tokens[len(history) :]
 
 
 @dataclass
