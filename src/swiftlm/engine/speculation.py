@@ -1,20 +1,22 @@
 """Speculative decoding by prompt lookup: draft tokens copied from the sequence itself.
 
-A decode step of one stream on a CPU costs about the same for 1 token as for 8 (the time goes
-to per-operator dispatch and reading the weights, not arithmetic), so checking several
-guessed tokens in one forward is nearly free. The guess: find the sequence's last n tokens
-(n = `max_ngram` down to 1) earlier in its prompt and output, most recent occurrence first,
-and propose the tokens that followed there, continued periodically where they reach the end (as Hugging Face's prompt lookup and vLLM's
-"ngram" method do). Answers that quote their prompt (summaries, edits, retrieval, code) and
-text that repeats itself accept long runs of them.
+A bf16 decode step of one stream on a CPU costs about the same for 1 token as for 6 (the time
+goes to reading the weights and dispatching operators, not to arithmetic), so checking several
+guessed tokens in one forward is nearly free (in float32 the wider step costs ~1.5x:
+docs/benchmarks.md). The guess, as in Hugging Face's prompt lookup and vLLM's "ngram" method:
+find the sequence's last n tokens (n = `max_ngram` down to `min_ngram`) earlier in its prompt
+and output, most recent occurrence first, and propose the tokens that followed there. Where
+those reach the end of the sequence the copy runs on into itself, so a run or a loop drafts
+whole periods. Answers that quote their prompt (summaries, edits, retrieval, code) and text
+that repeats itself accept long runs of them.
 
-Verification (`Scheduler._decode_speculative`) samples every position exactly as a plain
-step would, with the row's own generator, penalties, grammar and log-probs, and stops at the
-first sampled token that differs from the draft: each token is drawn from the model's
-distribution given the tokens before it, so the output (greedy or seeded sampling) is the one
-plain decoding gives, only in fewer forwards. With a draft that is one fixed token, this is
-also the acceptance rule of speculative sampling (accept with probability p(draft), else
-draw from the rest).
+Verification (`Scheduler._verify`) samples every position exactly as a plain step would, with
+the row's own generator, penalties, grammar and log-probs, and stops at the first sampled
+token that differs from the draft: each token is drawn from the model's distribution given
+the tokens before it, so the output (greedy or seeded sampling) is the one plain decoding
+gives, only in fewer forwards. With a draft that is one fixed token, this is also the
+acceptance rule of speculative sampling (accept with probability p(draft), else draw from the
+rest).
 """
 
 from dataclasses import dataclass
@@ -58,10 +60,14 @@ def _copied(history: list[int], start: int, count: int) -> list[int]:
     it has copied where it reaches the end (as LZ77 copies do): text that repeats with a
     period shorter than `count` (a run of one token, a looping phrase) drafts whole periods,
     not only the tokens left before the end."""
-    tokens = list(history)
-    for i in range(count):
-        tokens.append(tokens[start + i])
-    return tokens[len(history) :]
+    draft: list[int] = []
+    for position in range(start, start + count):
+        past_end = position - len(history)
+        draft.append(history[position] if past_end < 0 else draft[past_end])
+    return draft
+
+
+MAX_PAUSE = 16  # steps a sequence waits at most between drafts
 
 
 @dataclass
@@ -86,9 +92,6 @@ class DraftBackoff:
             return
         self.misses += 1
         self.wait = min(MAX_PAUSE, 2 ** (self.misses - 1))
-
-
-MAX_PAUSE = 16
 
 
 @dataclass
