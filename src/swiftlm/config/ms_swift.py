@@ -75,12 +75,12 @@ def _attn_impl(name: str, value: str) -> tuple[dict[str, str], str]:
 
 
 def _infer_backend(name: str, value: str) -> tuple[dict[str, str], str]:
-    if value in ("pt", "transformers"):
-        return {}, f"--infer_backend {value}: swiftlm always uses its own engine"
+    if value in ("pt", "vllm", "sglang"):
+        return {"infer_backend": value}, ""
+    if value == "transformers":  # ms-swift 4's name for pt
+        return {"infer_backend": "pt"}, "--infer_backend transformers is --infer_backend pt"
     raise ConfigError(
-        f"--infer_backend {value} is not supported: swiftlm serves and generates with its own "
-        "continuous-batching engine (a KV cache preallocated per batch and written in place); "
-        "drop the flag"
+        f"--infer_backend {value} is not supported: choose pt (swiftlm's own engine) or vllm"
     )
 
 
@@ -129,7 +129,10 @@ VALUE_RULES: dict[str, Callable[[str, str], tuple[dict[str, str], str]]] = {
 }
 
 _MEGATRON = "swiftlm's --tensor_parallel_size and --pipeline_parallel_size cover TP and PP"
-_VLLM = "rollouts, inference and serving run on swiftlm's own continuous-batching engine"
+_VLLM = (
+    "GRPO's rollouts run on swiftlm's own continuous-batching engine (--infer_backend vllm "
+    "covers infer, deploy and eval)"
+)
 UNSUPPORTED = {
     # model
     "model_type": "swiftlm reads the architecture from the model's config.json; drop the flag",
@@ -198,8 +201,6 @@ UNSUPPORTED = {
     "use_ray": "launch with --nnodes/--rdzv_endpoint (torchrun's elastic agent)",
     "use_vllm": _VLLM,
     "vllm_mode": _VLLM,
-    "vllm_gpu_memory_utilization": _VLLM,
-    "vllm_tensor_parallel_size": _VLLM,
     "sleep_level": _VLLM,
     "offload_model": _VLLM,
     "offload_optimizer": "use --deepspeed zero2_offload/zero3_offload or --fsdp_offload",

@@ -11,5 +11,6 @@ training methods (GRPO, GKD) sample from the live policy being trained with it.
 Beside the core, what reads files: `build.py` builds an engine for a model folder, a run or
 adapters (`swiftlm infer`, `deploy` and `eval` start there), `vision.py` is the
 vision-language engine (transformers' generate behind the same interface), `score.py` the
-reward-model scorer (one forward pass, no generation).
+reward-model scorer (one forward pass, no generation), `vllm_backend.py` vLLM's engine
+behind the same interface (`--infer_backend vllm`).
 """

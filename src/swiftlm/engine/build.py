@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
 from swiftlm.engine.speculation import Speculation
-from swiftlm.engine.vision import VisionEngine, build_vision_engine, is_vision_model
+from swiftlm.engine.vision import build_vision_engine, is_vision_model
+from swiftlm.engine.vllm_backend import VllmOptions
 from swiftlm.errors import ConfigError, ModelLoadError
 from swiftlm.models.config import ModelArguments
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
@@ -41,6 +42,31 @@ class InferenceModel:
     max_pixels: int = 0  # --max_pixels, or the run's when the user left it at 0 (images)
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a command's engine is chosen and tuned: the `--infer_backend`,
+    `--prefix_cache_memory`, `--speculative_tokens` and `--vllm_*` flags."""
+
+    infer_backend: str = "pt"
+    prefix_cache_memory: int = 0  # MiB of swiftlm's prefix cache (0: none); pt only
+    speculative_tokens: int = 0  # prompt-lookup draft tokens per step (0: no speculation)
+    vllm: VllmOptions = VllmOptions()
+
+    @classmethod
+    def of(cls, infer) -> "EngineOptions":
+        """The options of a command's `InferArguments`."""
+        return cls(
+            infer_backend=infer.infer_backend,
+            prefix_cache_memory=infer.prefix_cache_memory,
+            speculative_tokens=infer.speculative_tokens,
+            vllm=VllmOptions(
+                gpu_memory_utilization=infer.vllm_gpu_memory_utilization,
+                tensor_parallel_size=infer.vllm_tensor_parallel_size,
+                enforce_eager=infer.vllm_enforce_eager,
+            ),
+        )
+
+
 def engine_for_model(
     spec: InferenceModel,
     model_args: ModelArguments,
@@ -49,39 +75,65 @@ def engine_for_model(
     adapters: dict[str, str] | None = None,
     max_model_len: int | None = None,
     max_pixels: int = 0,
-    prefix_cache_memory: int = 0,
-    speculative_tokens: int = 0,
-) -> ContinuousEngine | VisionEngine:
+    options: EngineOptions = EngineOptions(),
+):
     """The engine for a resolved model: its run adapters merged in, `adapters` (name -> folder)
     served unmerged beside it (`swiftlm deploy`). A vision-language model gets a
     `VisionEngine` (transformers' generate, one request at a time: continuous batching is
-    text-only). `prefix_cache_memory`: MiB of the text engine's prefix cache (0: none);
-    `speculative_tokens`: its prompt-lookup draft tokens per step (0: no speculation)."""
-    options = dict(
+    text-only); `--infer_backend vllm` a `vllm_backend.VllmEngine`."""
+    engine_args = dict(
         tokenizer_path=spec.tokenizer_path,
         merge_adapters=spec.adapters,
         adapters=adapters,
         torch_dtype=spec.torch_dtype,
         device=model_args.device,
-        attn_impl=model_args.attn_impl,
         max_model_len=max_model_len,
         seed=seed,
     )
-    if is_vision_model(spec.base_path):
-        if speculative_tokens:
+    vision = is_vision_model(spec.base_path)
+    check_backend(options, spec.base_path, vision)
+    if options.infer_backend == "vllm":
+        from swiftlm.engine.vllm_backend import build_vllm_engine
+
+        return build_vllm_engine(
+            spec.base_path,
+            max_num_seqs=max_num_seqs,
+            speculative_tokens=options.speculative_tokens,
+            options=options.vllm,
+            **engine_args,
+        )
+    if vision:
+        if options.speculative_tokens:
             raise ConfigError(
-                f"--speculative_tokens {speculative_tokens}: {spec.base_path} is a "
+                f"--speculative_tokens {options.speculative_tokens}: {spec.base_path} is a "
                 "vision-language model, answered one request at a time through transformers' "
                 "generate, which has no speculative decoding here; drop the flag"
             )
-        return build_vision_engine(spec.base_path, max_pixels=max_pixels, **options)
+        return build_vision_engine(
+            spec.base_path, max_pixels=max_pixels, attn_impl=model_args.attn_impl, **engine_args
+        )
     return build_engine(
         spec.base_path,
         max_num_seqs=max_num_seqs,
-        prefix_cache_bytes=prefix_cache_memory * 2**20,
-        speculation=Speculation(speculative_tokens) if speculative_tokens else None,
-        **options,
+        attn_impl=model_args.attn_impl,
+        prefix_cache_bytes=options.prefix_cache_memory * 2**20,
+        speculation=Speculation(options.speculative_tokens) if options.speculative_tokens else None,
+        **engine_args,
     )
+
+
+def check_backend(options: EngineOptions, model_path: str, vision: bool) -> None:
+    """Refuse, by name, a backend that cannot serve this model."""
+    if options.infer_backend == "sglang":
+        raise ConfigError(
+            "--infer_backend sglang: not built yet (SGLang's package does not run on CPU "
+            "machines, where swiftlm is tested); use --infer_backend vllm or pt"
+        )
+    if options.infer_backend == "vllm" and vision:
+        raise ConfigError(
+            f"--infer_backend vllm: {model_path} is a vision-language model, and swiftlm "
+            "passes only text prompts to vLLM so far; use --infer_backend pt"
+        )
 
 
 def build_engine(

@@ -20,6 +20,7 @@ from swiftlm.engine.protocol import (
     SampleDelta,
     SampleResult,
     SamplingParams,
+    check_request,
     new_error_id,
 )
 from swiftlm.engine.scheduler import Scheduler, Submitted
@@ -145,22 +146,13 @@ class ContinuousEngine:
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise ValueError naming the first problem that stops `request` from running."""
-        problem = request.params.check(max_n=min(MAX_N, self.max_num_seqs))
-        if problem:
-            raise ValueError(problem)
-        prompt = request.prompt_ids
-        if not prompt:
-            raise ValueError("prompt: it has no tokens")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt) + request.params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens {request.params.max_tokens}: the prompt's {len(prompt)} tokens "
-                f"plus max_tokens exceed the context length max_model_len {self.max_model_len}"
-            )
-        if request.adapter is not None and request.adapter not in self.adapters:
-            served = ", ".join(self.adapters) or "none"
-            raise ValueError(f"adapter {request.adapter!r}: not served (adapters: {served})")
+        check_request(
+            request,
+            max_n=min(MAX_N, self.max_num_seqs),
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            adapters=self.adapters,
+        )
 
     # -- the loop thread ------------------------------------------------------------------------
 

@@ -66,6 +66,12 @@ class GrammarConstraint:
     def matcher(self) -> GrammarRowMatcher:
         return GrammarRowMatcher(self.compiled, self.vocab_size)
 
+    @property
+    def ebnf(self) -> str:
+        """The grammar as EBNF text (its root rule `root`): how another engine that enforces
+        grammars itself (vLLM's structured outputs) receives the same one."""
+        return str(self.compiled.grammar)
+
 
 class Grammars:
     """Compiles grammars for one tokenizer. Thread-safe: the server compiles off the event

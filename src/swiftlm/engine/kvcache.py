@@ -13,10 +13,20 @@ Every layer keeps every column; sliding-window layers see only their window thro
 mask (`windows.py`), so their old columns are kept, not evicted.
 """
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import create_causal_mask
 
 GROWTH = 64  # columns added when a buffer is full: amortizes the copy over many steps
+# What this transformers calls the KV cache argument of a model's forward and of its mask
+# builders: `cache` since 5.20, `past_key_values` before. A forward given the other name
+# takes it into **kwargs and runs without the cache: every decode step would see only its
+# own token, silently (vLLM's CPU build pins transformers < 5.20, so both are in use).
+CACHE_KEYWORD = (
+    "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+)
 
 
 class SlotLayer(DynamicLayer):

@@ -150,6 +150,35 @@ class Constraint(Protocol):
         ...
 
 
+def check_request(
+    request: GenerationRequest,
+    *,
+    max_n: int,
+    vocab_size: int,
+    max_model_len: int,
+    adapters: tuple[str, ...],
+) -> None:
+    """Raise ValueError naming the first problem that stops `request` from running on an
+    engine with these limits: bad sampling values, an empty or out-of-vocabulary prompt, a
+    prompt plus max_tokens beyond the context, an adapter the engine does not serve."""
+    problem = request.params.check(max_n=max_n)
+    if problem:
+        raise ValueError(problem)
+    prompt = request.prompt_ids
+    if not prompt:
+        raise ValueError("prompt: it has no tokens")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    if len(prompt) + request.params.max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens {request.params.max_tokens}: the prompt's {len(prompt)} tokens "
+            f"plus max_tokens exceed the context length max_model_len {max_model_len}"
+        )
+    if request.adapter is not None and request.adapter not in adapters:
+        served = ", ".join(adapters) or "none"
+        raise ValueError(f"adapter {request.adapter!r}: not served (adapters: {served})")
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token, its log-probability (under the raw logits, what OpenAI and vLLM

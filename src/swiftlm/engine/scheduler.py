@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from swiftlm.engine.detokenize import IncrementalText, StopText
-from swiftlm.engine.kvcache import BatchKV
+from swiftlm.engine.kvcache import CACHE_KEYWORD, BatchKV
 from swiftlm.engine.prefix_cache import PrefixCache, prefix_tensors
 from swiftlm.engine.protocol import (
     GenerationRequest,
@@ -463,14 +463,13 @@ class Scheduler:
         attention = mask
         if self.window_masks is not None:
             attention = self.window_masks(mask, ids.shape[1], kv.cache, self.dtype)
-        extra = {}
+        extra = {CACHE_KEYWORD: kv.cache}
         if self.adapters:
             extra["adapter_names"] = [a or BASE_ADAPTER for a in adapters]
         output = self.model(
             input_ids=ids.to(self.device),
             attention_mask=attention,
             position_ids=positions.to(self.device),
-            cache=kv.cache,
             use_cache=True,
             logits_to_keep=keep,
             **extra,

@@ -15,6 +15,8 @@ columns.
 import torch
 from transformers.masking_utils import create_causal_mask
 
+from swiftlm.engine.kvcache import CACHE_KEYWORD
+
 
 def sliding_window(config) -> int | None:
     """The window of the model's sliding-window layers, None when it has none."""
@@ -48,8 +50,8 @@ class WindowMasks:
         # Only the shape, dtype and device of the embeddings are read.
         shape = torch.empty((padding.shape[0], query_length, 1), dtype=dtype, device=padding.device)
         arguments = dict(
-            config=self.config, inputs_embeds=shape, attention_mask=padding, cache=cache,
-            allow_is_causal_skip=False,
+            config=self.config, inputs_embeds=shape, attention_mask=padding,
+            allow_is_causal_skip=False, **{CACHE_KEYWORD: cache},
         )  # fmt: skip
         sliding = create_causal_mask(**arguments, and_mask_function=within_window)
         if not self.per_layer_type:

@@ -102,6 +102,8 @@ class LocalBackend:
         self.engine = engine
         self.description = description
         self.batch_size = batch_size
+        # vLLM's engine (--infer_backend vllm) keeps the weights in its own process.
+        self.supports_loglikelihood = engine.model is not None
 
     @property
     def tokenizer(self):
@@ -129,12 +131,14 @@ class LocalBackend:
         return [samples[0].text for samples in self.engine.generate(requests)]
 
     def text_nll(self, texts: list[str]) -> list[TextNll]:
+        self._need_model("perplexity")
         with _eval_mode(self.engine.model):
             return text_nll(
                 self.engine.model, self.tokenizer, texts, self.engine.max_model_len, self.batch_size
             )
 
     def continuation_logprobs(self, pairs: list[tuple[str, str]]) -> list[ContinuationScore]:
+        self._need_model("multiple-choice")
         with _eval_mode(self.engine.model):
             return continuation_logprobs(
                 self.engine.model, self.tokenizer, pairs, self.engine.max_model_len, self.batch_size
@@ -142,6 +146,14 @@ class LocalBackend:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+    def _need_model(self, kind: str) -> None:
+        if not self.supports_loglikelihood:
+            raise SwiftLMError(
+                f"--infer_backend vllm: {kind} tasks score given text with the transformers "
+                "model, which swiftlm does not hold when vLLM serves it; run them with "
+                "--infer_backend pt"
+            )
 
 
 class _eval_mode:

@@ -12,7 +12,8 @@ from datetime import datetime
 
 from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import UNUSED_FLAGS, EvalConfig, save_config
-from swiftlm.engine.build import engine_for_model
+from swiftlm.engine.build import EngineOptions, engine_for_model
+from swiftlm.errors import ConfigError
 from swiftlm.evaluation.backends import Sampling
 from swiftlm.evaluation.lm_eval_bridge import (
     flatten_results,
@@ -29,11 +30,16 @@ def run_lm_eval_backend(cfg: EvalConfig) -> dict:
     started = datetime.now().isoformat(timespec="seconds")
     prepared = prepare_tasks(cfg.eval.eval_dataset)  # bad task names fail before the model loads
     spec = resolve_inference_model(cfg)
+    if cfg.infer.infer_backend != "pt":
+        raise ConfigError(
+            f"--eval_backend lm_eval with --infer_backend {cfg.infer.infer_backend}: the "
+            "lm-eval bridge scores with the transformers model, which swiftlm holds with "
+            "--infer_backend pt only; drop the flag (or run lm-eval's own vllm model)"
+        )
     print(f"Loading {spec.description}", flush=True)
     engine = engine_for_model(
         spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size,
-        prefix_cache_memory=cfg.infer.prefix_cache_memory,
-        speculative_tokens=cfg.infer.speculative_tokens,
+        options=EngineOptions.of(cfg.infer),
     )  # fmt: skip
     out = output_dir(cfg, spec, None)
     save_config(cfg, out / "config.yaml", UNUSED_FLAGS["eval"])

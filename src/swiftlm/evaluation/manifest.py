@@ -60,9 +60,17 @@ def local_model_entry(spec, engine) -> dict:
         "tokenizer": spec.tokenizer_path,
         "chat_template_sha256": text_sha256(getattr(tokenizer, "chat_template", None)),
         "torch_dtype": spec.torch_dtype,
-        "compute_dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
+        "compute_dtype": compute_dtype(engine),
+        "infer_backend": "pt" if engine.model is not None else "vllm",
         "system": spec.system,
     }
+
+
+def compute_dtype(engine) -> str:
+    """The dtype the engine's weights run in: of the torch model, or vLLM's (`dtype`)."""
+    if engine.model is None:
+        return engine.dtype
+    return str(next(engine.model.parameters()).dtype).replace("torch.", "")
 
 
 def endpoint_model_entry(backend) -> dict:

@@ -15,7 +15,7 @@ from swiftlm.checkpoint.resolve import resolve_inference_model
 from swiftlm.config import UNUSED_FLAGS, EvalConfig, save_config
 from swiftlm.config.parse import load_run_config
 from swiftlm.config.rules import check
-from swiftlm.engine.build import engine_for_model
+from swiftlm.engine.build import EngineOptions, engine_for_model
 from swiftlm.engine.score import is_reward_model
 from swiftlm.errors import ConfigError
 from swiftlm.evaluation.backends import EndpointBackend, LocalBackend, Sampling
@@ -53,6 +53,7 @@ def run(cfg: EvalConfig) -> dict:
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
     tasks = load_tasks(cfg.eval.eval_dataset, cfg.eval.eval_limit, placeholders)
     check_not_empty(tasks)
+    refuse_scoring_without_the_model(cfg, spec, tasks)
     # Before the model loads: bad --dataset fails now, not after the evaluation.
     contamination = contamination_section(cfg, spec, tasks, cfg.eval.contamination_ngram)
     settings = EvalSettings(
@@ -119,6 +120,18 @@ def refuse_reward_model(spec) -> None:
         )
 
 
+def refuse_scoring_without_the_model(cfg: EvalConfig, spec, tasks) -> None:
+    """Perplexity and multiple-choice tasks score given text with the transformers model,
+    which only --infer_backend pt holds; refused before vLLM spends a minute starting."""
+    scored = [t.name for t in tasks if t.kind in ("perplexity", "multiple_choice")]
+    if spec is not None and cfg.infer.infer_backend != "pt" and scored:
+        raise ConfigError(
+            f"--eval_dataset: {', '.join(scored)} score given text by log-likelihood, which "
+            f"--infer_backend {cfg.infer.infer_backend} does not give swiftlm; evaluate them "
+            "with --infer_backend pt (generation and code tasks run on either)"
+        )
+
+
 def with_run_identity(cfg: EvalConfig, spec) -> EvalConfig:
     """A run's --model_name/--model_author fill the probes' {{NAME}} and {{AUTHOR}} (the name
     the run taught), unless this command sets them."""
@@ -152,8 +165,7 @@ def open_backend(cfg: EvalConfig, spec):
     print(f"Loading {spec.description}", flush=True)
     engine = engine_for_model(
         spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size,
-        prefix_cache_memory=cfg.infer.prefix_cache_memory,
-        speculative_tokens=cfg.infer.speculative_tokens,
+        options=EngineOptions.of(cfg.infer),
     )  # fmt: skip
     return LocalBackend(engine, spec.description), local_model_entry(spec, engine)
 

@@ -8,7 +8,7 @@ text, the section checks its own fields when built.
 from dataclasses import dataclass
 from typing import Literal
 
-from swiftlm.config.checks import at_least, check_fields
+from swiftlm.config.checks import at_least, check_fields, within
 from swiftlm.config.sections import doc
 
 
@@ -65,10 +65,34 @@ class InferArguments:
         default=0,
     )
 
+    infer_backend: Literal["pt", "vllm", "sglang"] = doc(
+        "The generation engine. pt: swiftlm's own (continuous batching on the transformers "
+        "model; CPU or GPU, named adapters unmerged, log-probs equal to the trainer's). vllm: "
+        "vLLM's engine behind the same front ends (paged attention, CUDA graphs, tensor "
+        "parallel; `pip install 'swiftlm[vllm]'`, or on a CPU `bash scripts/setup_vllm.sh`). "
+        "sglang is ms-swift's third choice and is not built yet. Text models only.",
+        default="pt",
+    )
+    vllm_gpu_memory_utilization: float = doc(
+        "--infer_backend vllm on a GPU: the share of its memory vLLM may take (weights and "
+        "KV cache). On a CPU vLLM reads VLLM_CPU_KVCACHE_SPACE (GiB) instead.",
+        default=0.9,
+    )
+    vllm_tensor_parallel_size: int = doc(
+        "--infer_backend vllm: GPUs one model is split over (tensor parallel).", default=1
+    )
+    vllm_enforce_eager: bool = doc(
+        "--infer_backend vllm: run eagerly, without torch.compile or CUDA graphs: starts in "
+        "seconds instead of minutes, decodes slower.",
+        default=False,
+    )
+
     def __post_init__(self):
         check_fields(
             self,
             max_batch_size=at_least(1),
             prefix_cache_memory=at_least(0),
             speculative_tokens=at_least(0),
+            vllm_tensor_parallel_size=at_least(1),
+            vllm_gpu_memory_utilization=within(0, 1, open_low=True),
         )

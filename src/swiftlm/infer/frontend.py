@@ -13,7 +13,7 @@ import queue
 from collections.abc import Iterator
 from typing import Protocol
 
-from swiftlm.engine.build import InferenceModel, engine_for_model
+from swiftlm.engine.build import EngineOptions, InferenceModel, engine_for_model
 from swiftlm.engine.config import GenerationArguments
 from swiftlm.engine.continuous import ContinuousEngine
 from swiftlm.engine.protocol import (
@@ -58,15 +58,13 @@ def build_chat_engine(
     seed: int,
     max_num_seqs: int = 32,
     max_pixels: int = 0,
-    prefix_cache_memory: int = 0,
-    speculative_tokens: int = 0,
+    options: EngineOptions = EngineOptions(),
 ) -> "ChatEngine":
     """The model of `spec` with its adapters merged in (infer serves one model);
     `max_pixels` (--max_pixels) scales down the images of a vision-language model."""
     engine = engine_for_model(
-        spec, model_args, seed, max_num_seqs, max_pixels=max_pixels,
-        prefix_cache_memory=prefix_cache_memory, speculative_tokens=speculative_tokens,
-    )  # fmt: skip
+        spec, model_args, seed, max_num_seqs, max_pixels=max_pixels, options=options
+    )
     if isinstance(engine, VisionEngine):
         return VisionChatEngine(engine)
     return ChatEngine(engine)

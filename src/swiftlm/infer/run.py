@@ -7,6 +7,7 @@ from swiftlm.config import InferConfig
 from swiftlm.config.paths import check_writable_file
 from swiftlm.config.rules import check
 from swiftlm.data.sources import check_dataset_paths
+from swiftlm.engine.build import EngineOptions
 from swiftlm.engine.vision import is_vision_model
 from swiftlm.infer.batch import load_prompts, run_batch
 from swiftlm.infer.chat import run_chat
@@ -39,8 +40,7 @@ def run(cfg: InferConfig) -> list[dict] | None:
     print(f"Loading {spec.description}", flush=True)
     engine = build_chat_engine(
         spec, cfg.model, cfg.infer.seed, cfg.infer.max_batch_size, spec.max_pixels,
-        prefix_cache_memory=cfg.infer.prefix_cache_memory,
-        speculative_tokens=cfg.infer.speculative_tokens,
+        options=EngineOptions.of(cfg.infer),
     )  # fmt: skip
     try:
         if cfg.data.val_dataset:

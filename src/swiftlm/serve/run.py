@@ -78,7 +78,7 @@ def start_engine(cfg: DeployConfig, plan: DeployPlan):
         from swiftlm.engine.score import load_scorer
 
         return load_scorer(plan.spec, cfg.model)
-    from swiftlm.engine.build import engine_for_model
+    from swiftlm.engine.build import EngineOptions, engine_for_model
 
     d = cfg.deploy
     return engine_for_model(
@@ -89,8 +89,7 @@ def start_engine(cfg: DeployConfig, plan: DeployPlan):
         adapters=plan.named_adapters,
         max_model_len=d.max_model_len,
         max_pixels=plan.spec.max_pixels,
-        prefix_cache_memory=cfg.infer.prefix_cache_memory,
-        speculative_tokens=cfg.infer.speculative_tokens,
+        options=EngineOptions.of(cfg.infer),
     )
 
 
