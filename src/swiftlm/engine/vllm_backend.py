@@ -323,6 +323,11 @@ class VllmEngine:
         finish = None
         if output.finished:
             finish = FINISH_REASONS.get(completion.finish_reason or "stop", "error")
+        error = error_id = None
+        if finish == "error":  # a reason swiftlm's protocol has no name for: vLLM's failure
+            error = f"vLLM ended the sample: {completion.finish_reason}"
+            error_id = new_error_id()
+            log.error("request %s: %s (error id %s)", output.request_id, error, error_id)
         return SampleDelta(
             sample.request_id,
             sample.index,
@@ -330,8 +335,8 @@ class VllmEngine:
             completion.text,
             _token_logprobs(completion.token_ids, completion.logprobs, sample.top_logprobs),
             finish,
-            None if finish != "error" else f"vLLM ended the sample: {completion.finish_reason}",
-            None if finish != "error" else new_error_id(),
+            error,
+            error_id,
         )
 
     def _failed(self, sample: _Sample, error: str, error_id: str | None) -> SampleDelta:
