@@ -471,6 +471,11 @@ def test_a_backend_that_cannot_run_is_refused_by_name(tiny_model_dir, capsys):
     argv = ["infer", "--model", str(tiny_model_dir), "--infer_backend"]
     assert main([*argv, "sglang"]) == 2
     assert "--infer_backend sglang: not built yet" in capsys.readouterr().err
+    from swiftlm.engine.build import EngineOptions, check_backend
+
+    with pytest.raises(ConfigError, match="vlm is a vision-language model.*--infer_backend pt"):
+        check_backend(EngineOptions(infer_backend="vllm"), "vlm", vision=True)
+    check_backend(EngineOptions(infer_backend="vllm"), "llm", vision=False)
     if importlib.util.find_spec("vllm") is None:  # .venv-vllm runs the vLLM tests instead
         assert main([*argv, "vllm"]) == 2
         err = capsys.readouterr().err
