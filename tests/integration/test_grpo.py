@@ -277,6 +277,26 @@ def test_a_batch_that_splits_a_group_is_refused(tiny_model_dir, prompts, tmp_pat
 
 
 @pytest.mark.bad_input(
+    input="`swiftlm rlhf --rlhf_type grpo --infer_backend vllm` with what one colocated vLLM "
+    "engine cannot follow: several ranks, DoRA, a quantized base",
+    outcome="Exit 2 before anything loads, naming the flag and --infer_backend pt",
+)
+@pytest.mark.parametrize(
+    "flags",
+    [{"nproc_per_node": 2}, {"train_type": "dora"}, {"quant_method": "bnb", "quant_bits": 4}],
+)
+def test_what_vllm_rollouts_cannot_follow_is_refused(
+    tiny_model_dir, prompts, tmp_path, capsys, flags
+):
+    argv = grpo(tiny_model_dir, prompts, tmp_path / "x", infer_backend="vllm", **flags)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    flag = next(iter(flags))
+    assert f"--{flag} " in err and "not available with --infer_backend vllm" in err
+    assert "use --infer_backend pt" in err
+
+
+@pytest.mark.bad_input(
     input="A GRPO prompt row without a prompt (`messages`, `prompt`, `query` ...)",
     outcome="Error naming file:line and the accepted layouts",
 )

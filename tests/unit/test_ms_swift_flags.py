@@ -102,14 +102,14 @@ def test_notes_print_on_rank_zero_only(monkeypatch, capsys):
 
 
 @pytest.mark.bad_input(
-    input="an ms-swift flag swiftlm does not support (`--use_vllm true`, `--model_type qwen2`)",
-    outcome="Exit 2: `--use_vllm is an ms-swift flag that swiftlm does not support:` the reason "
+    input="an ms-swift flag swiftlm does not support (`--sleep_level 1`, `--model_type qwen2`)",
+    outcome="Exit 2: `--sleep_level is an ms-swift flag that swiftlm does not support:` the reason "
     "and what to use instead",
 )
 @pytest.mark.parametrize(
     ("flag", "reason"),
     [
-        ("--use_vllm", "--infer_backend vllm covers infer, deploy and eval"),
+        ("--sleep_level", "vLLM's memory is not released"),
         ("--model_type", "reads the architecture from the model's config.json"),
         ("--warmup_steps", "--warmup_ratio"),
         ("--deepspeed_autotp_size", "--tensor_parallel_size"),
@@ -146,6 +146,17 @@ def test_an_unsupported_yaml_key_names_the_file(tmp_path):
     recipe.write_text("model: m\ndataset: [d.jsonl]\nuse_liger_kernel: true\n")
     with pytest.raises(ConfigError, match=r"ms\.yaml: --use_liger_kernel is an ms-swift flag"):
         parse([str(recipe)])
+
+
+def test_ms_swift_s_grpo_vllm_flags_are_infer_backend_vllm(capsys):
+    from swiftlm.config import RLHFConfig
+
+    argv = ["--rlhf_type", "grpo", "--model", "m", "--dataset", "d", "--use_vllm", "true"]
+    cfg = parse([*argv, "--vllm_mode", "colocate"], RLHFConfig, "rlhf")
+    assert cfg.grpo.infer_backend == "vllm"
+    assert "--use_vllm true is --infer_backend vllm" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--vllm_mode server is not supported"):
+        parse([*argv, "--vllm_mode", "server"], RLHFConfig, "rlhf")
 
 
 def test_infer_backend_is_swiftlm_s_own_flag_with_ms_swift_s_values(capsys):

@@ -84,6 +84,21 @@ def _infer_backend(name: str, value: str) -> tuple[dict[str, str], str]:
     )
 
 
+def _use_vllm(name: str, value: str) -> tuple[dict[str, str], str]:
+    if not _flag_bool(name, value):
+        return {}, "--use_vllm false: swiftlm's own engine (--infer_backend pt) is the default"
+    return {"infer_backend": "vllm"}, "--use_vllm true is --infer_backend vllm"
+
+
+def _vllm_mode(name: str, value: str) -> tuple[dict[str, str], str]:
+    if value == "colocate":
+        return {}, "--vllm_mode colocate: swiftlm's vLLM rollouts run in the trainer's process"
+    raise ConfigError(
+        f"--vllm_mode {value} is not supported: vLLM rollouts run colocated in the trainer's "
+        "process (--infer_backend vllm); a separate rollout server is not built yet"
+    )
+
+
 def _use_hf(name: str, value: str) -> tuple[dict[str, str], str]:
     if _flag_bool(name, value):
         return {}, "--use_hf true: swiftlm loads hub models from the Hugging Face Hub already"
@@ -115,6 +130,8 @@ VALUE_RULES: dict[str, Callable[[str, str], tuple[dict[str, str], str]]] = {
     "loss_scale": _loss_scale,
     "attn_impl": _attn_impl,  # ms-swift's flash_attn spellings; swiftlm's own values pass
     "infer_backend": _infer_backend,
+    "use_vllm": _use_vllm,  # GRPO's rollouts
+    "vllm_mode": _vllm_mode,
     "use_hf": _use_hf,
     "dataset_shuffle": _dataset_shuffle,
     "check_model": _not_needed("it never contacts a hub to check a local model"),
@@ -129,10 +146,7 @@ VALUE_RULES: dict[str, Callable[[str, str], tuple[dict[str, str], str]]] = {
 }
 
 _MEGATRON = "swiftlm's --tensor_parallel_size and --pipeline_parallel_size cover TP and PP"
-_VLLM = (
-    "GRPO's rollouts run on swiftlm's own continuous-batching engine (--infer_backend vllm "
-    "covers infer, deploy and eval)"
-)
+_VLLM = "vLLM's memory is not released between GRPO's generations yet; drop the flag"
 UNSUPPORTED = {
     # model
     "model_type": "swiftlm reads the architecture from the model's config.json; drop the flag",
@@ -199,8 +213,6 @@ UNSUPPORTED = {
     "zero_hpz_partition_size": "ZeRO++ is not available",
     "deepspeed_autotp_size": "use --tensor_parallel_size",
     "use_ray": "launch with --nnodes/--rdzv_endpoint (torchrun's elastic agent)",
-    "use_vllm": _VLLM,
-    "vllm_mode": _VLLM,
     "sleep_level": _VLLM,
     "offload_model": _VLLM,
     "offload_optimizer": "use --deepspeed zero2_offload/zero3_offload or --fsdp_offload",

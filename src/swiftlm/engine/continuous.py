@@ -99,12 +99,7 @@ class ContinuousEngine:
             self._lock.notify()
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
-        collectors = [SampleCollector(r.params.n) for r in requests]
-        for request in requests:
-            self.validate(request)
-        for request, collector in zip(requests, collectors, strict=True):
-            self.submit(request, collector.add)
-        return wait_all(collectors)
+        return generate_all(self, requests)
 
     def warmup(self) -> None:
         """Run a full batch for a few tokens: the first forwards of a shape are slow on a
@@ -229,6 +224,18 @@ class SampleCollector:
         """The samples, once all have finished (a failed one holds its `error`)."""
         self.done.wait()
         return self.results
+
+
+def generate_all(engine, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
+    """`Engine.generate` over an engine's `validate` and `submit`: every request checked
+    before any is queued (a bad one queues nothing), then all run together and are waited
+    for."""
+    for request in requests:
+        engine.validate(request)
+    collectors = [SampleCollector(r.params.n) for r in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector.add)
+    return wait_all(collectors)
 
 
 def wait_all(collectors: list[SampleCollector]) -> list[list[SampleResult]]:

@@ -31,12 +31,7 @@ import torch
 
 from swiftlm.data.images import load_image
 from swiftlm.data.parts import content_images, flatten_text_parts
-from swiftlm.engine.continuous import (
-    SampleCollector,
-    default_max_model_len,
-    stop_token_ids,
-    wait_all,
-)
+from swiftlm.engine.continuous import default_max_model_len, generate_all, stop_token_ids
 from swiftlm.engine.detokenize import IncrementalText, StopText
 from swiftlm.engine.protocol import (
     EngineStats,
@@ -200,12 +195,7 @@ class VisionEngine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
         """Run `requests` (one after another) and wait: per request, its samples in order."""
-        for request in requests:
-            self.validate(request)
-        collectors = [SampleCollector(r.params.n) for r in requests]
-        for request, collector in zip(requests, collectors, strict=True):
-            self.submit(request, collector.add)
-        return wait_all(collectors)
+        return generate_all(self, requests)
 
     def warmup(self) -> None:
         """Nothing to warm: the first request pays for its own first forward."""

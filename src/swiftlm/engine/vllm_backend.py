@@ -36,10 +36,9 @@ import torch
 
 from swiftlm.engine.continuous import (
     MAX_N,
-    SampleCollector,
     default_max_model_len,
+    generate_all,
     stop_token_ids,
-    wait_all,
 )
 from swiftlm.engine.protocol import (
     EngineStats,
@@ -155,12 +154,7 @@ class VllmEngine:
             self._lock.notify()
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
-        collectors = [SampleCollector(r.params.n) for r in requests]
-        for request in requests:
-            self.validate(request)
-        for request, collector in zip(requests, collectors, strict=True):
-            self.submit(request, collector.add)
-        return wait_all(collectors)
+        return generate_all(self, requests)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -183,6 +177,13 @@ class VllmEngine:
         self.llm_engine.engine_core.shutdown()
         if self._cleanup is not None:
             self._cleanup()
+
+    def reload_weights(self, folder: str) -> None:
+        """Load new weights (a safetensors folder in the model's own names) into the running
+        engine, in place, and forget its cached prefixes (their keys and values came from
+        the old weights). Only between generations: nothing may be running."""
+        self.llm_engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        self.llm_engine.reset_prefix_cache()
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise ValueError naming the first problem that stops `request` from running."""
@@ -524,7 +525,16 @@ def _merged_model(model_path: str, adapters: tuple[str, ...], tokenizer_path: st
 def _lora_args(adapters: dict[str, str]) -> dict:
     if not adapters:
         return {}
-    return {"enable_lora": True, "max_loras": len(adapters), "max_lora_rank": _lora_rank(adapters)}
+    # One slot more than the adapters, never filled: vLLM's CPU LoRA ops (torch_ops.bgmv_*)
+    # index the stacked LoRA weights with each row's slot, -1 for a base-model row, and -1
+    # picks the last slot. With every slot filled, base rows batched beside adapter rows ran
+    # through the last adapter (measured: tests/integration/test_vllm_backend.py); the empty
+    # last slot holds zeros, so they run through nothing.
+    return {
+        "enable_lora": True,
+        "max_loras": len(adapters) + 1,
+        "max_lora_rank": _lora_rank(adapters),
+    }
 
 
 def _speculation_args(tokens: int) -> dict:

@@ -94,6 +94,33 @@ class GRPOArguments:
         default=None,
     )
     repetition_n_grams: int = doc("grpo: the n of the `repetition` reward.", default=3)
+    infer_backend: Literal["pt", "vllm"] = doc(
+        "grpo: the engine the rollouts run on. pt: swiftlm's, over the live policy module (no "
+        "copy of the weights). vllm: vLLM in the trainer's process (colocate), its weights "
+        "(LoRA merged) reloaded from the policy before every generation; the mismatch of its "
+        "log-probs with the trainer's is corrected (--vllm_importance_sampling_correction). "
+        "One process only, LoRA or full, not quantized.",
+        default="pt",
+    )
+    vllm_enforce_eager: bool = doc(
+        "grpo --infer_backend vllm: run vLLM eagerly (no torch.compile or CUDA graphs).",
+        default=False,
+    )
+    vllm_gpu_memory_utilization: float = doc(
+        "grpo --infer_backend vllm on a GPU: the share of its memory vLLM may take; the "
+        "trainer shares the GPU. On a CPU vLLM reads VLLM_CPU_KVCACHE_SPACE (GiB).",
+        default=0.3,
+    )
+    vllm_importance_sampling_correction: bool = doc(
+        "grpo --infer_backend vllm: weigh each token's policy loss by exp(trainer log-prob - "
+        "vLLM's log-prob), capped at --vllm_importance_sampling_cap (truncated importance "
+        "sampling, as TRL and verl do): vLLM's kernels sample from a slightly different "
+        "distribution than the one the trainer computes.",
+        default=True,
+    )
+    vllm_importance_sampling_cap: float = doc(
+        "grpo: the cap of the truncated importance weight.", default=3.0
+    )
 
     def __post_init__(self):
         check_fields(
@@ -109,6 +136,8 @@ class GRPOArguments:
             reward_timeout=above(0),
             soft_cache_length=at_least(1),
             repetition_n_grams=at_least(1),
+            vllm_gpu_memory_utilization=within(0, 1, open_low=True),
+            vllm_importance_sampling_cap=above(0),
         )
 
 

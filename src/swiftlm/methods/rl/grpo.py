@@ -64,7 +64,7 @@ class GRPO(PromptBatches):
         self.completions_per_sample = self.args.num_generations
         # beta 0: no KL term, so no reference model is loaded or kept.
         self.reference = Reference(cfg, "grpo") if self.rlhf.beta > 0 else None
-        self.sampler = PolicySampler(tokenizer, cfg.data.max_length, sharded_by_fsdp2(cfg))
+        self.sampler = _sampler(cfg, tokenizer)
         self.rewards: RewardSet | None = None  # built in prepare_model (it logs)
         self.buffer = GenerationBuffer()
         self.rollouts: Rollouts | None = None
@@ -204,12 +204,21 @@ class GRPO(PromptBatches):
                 reference, context = self.reference.module(model)
                 ref_logps = self.token_logps(reference, batch, context)
             kl = k3_kl(logps, ref_logps)
-            losses = losses + r.beta * kl
             metrics["kl"] = reduce_tokens(kl.detach(), mask, r.loss_type)
         if "old_logps" not in batch:  # the policy that sampled: compare with the engine
             gap = (logps.detach() - batch["engine_logps"]).abs()
             metrics["logprob_mismatch"] = reduce_tokens(gap, mask, r.loss_type)
+        if self._corrects_engine:
+            weight = truncated_importance_weight(old, batch["engine_logps"], g)
+            losses = losses * weight
+            metrics["tis_weight"] = reduce_tokens(weight, mask, r.loss_type)
+        if self.reference is not None:
+            losses = losses + r.beta * kl
         return reduce_tokens(losses, mask, r.loss_type), metrics
+
+    @property
+    def _corrects_engine(self) -> bool:
+        return self.args.infer_backend == "vllm" and self.args.vllm_importance_sampling_correction
 
     @staticmethod
     def completion_mask(batch: Batch) -> torch.Tensor:
@@ -233,10 +242,51 @@ class GRPO(PromptBatches):
         raise ConfigError(f"--pipeline_parallel_size: swiftlm rlhf (GRPO): {SHARDED}")
 
 
+def truncated_importance_weight(old_logps, engine_logps, args) -> torch.Tensor:
+    """Per token, min(exp(trainer log-prob - engine log-prob), cap): the sampling policy's
+    probability of the token over vLLM's, which sampled it (TRL's and verl's truncated
+    importance sampling); no gradient flows through it."""
+    ratio = torch.exp(old_logps.detach() - engine_logps.to(old_logps.device))
+    return ratio.clamp(max=args.vllm_importance_sampling_cap)
+
+
+def _sampler(cfg: RLHFConfig, tokenizer):
+    g = cfg.grpo
+    if g.infer_backend == "vllm":
+        from swiftlm.methods.rl.vllm_rollout import VllmPolicySampler
+
+        return VllmPolicySampler(
+            tokenizer, cfg.data.max_length, g.vllm_enforce_eager, g.vllm_gpu_memory_utilization
+        )
+    return PolicySampler(tokenizer, cfg.data.max_length, sharded_by_fsdp2(cfg))
+
+
+def _check_vllm(cfg: RLHFConfig) -> None:
+    """--infer_backend vllm runs one vLLM engine beside one trainer process, from merged
+    weights: refuse what that cannot be."""
+    d, tuner = cfg.dist, cfg.tuner
+    refused = {
+        f"--nproc_per_node {d.nproc_per_node}": d.nproc_per_node > 1,
+        f"--nnodes {d.nnodes}": str(d.nnodes) != "1",
+        f"--strategy {d.strategy}": d.strategy not in ("auto", "single", "ddp"),
+        f"--train_type {tuner.train_type}": tuner.train_type == "dora",
+        f"--quant_method {cfg.quant.quant_method}": cfg.quant.quant_method is not None,
+    }
+    for flag, given in refused.items():
+        if given:
+            raise ConfigError(
+                f"{flag}: not available with --infer_backend vllm yet (rollouts on vLLM run in "
+                "one trainer process, from its merged LoRA or full weights); use "
+                "--infer_backend pt"
+            )
+
+
 def _check_layout(cfg: RLHFConfig) -> None:
     """Refuse what GRPO cannot run, before anything loads."""
     g, t = cfg.grpo, cfg.train
     check_online_layout(cfg, "--rlhf_type grpo", lockstep=True)
+    if g.infer_backend == "vllm":
+        _check_vllm(cfg)
     if g.dynamic_sample and sharded_by_fsdp2(cfg):
         raise ConfigError(
             "--dynamic_sample: not available with FSDP2 (each rank would resample a different "

@@ -74,28 +74,13 @@ class PolicySampler:
             policy.eval()
             results = engine.generate(requests)
         except GenerationFailed as exc:
-            raise self._failed(requests, exc) from exc
+            raise rollout_failed(self.tokenizer, requests, exc) from exc
         finally:
             policy.train(was_training)
         if self.lockstep:
             stops = set(engine.stop_token_ids)
             results = [[self._cut(sample, stops) for sample in group] for group in results]
         return results
-
-    def _failed(self, requests: list[GenerationRequest], exc: GenerationFailed) -> RolloutFailed:
-        index = min(exc.failures)
-        samples = exc.results[index]
-        sample = next((s.index for s in samples if s.error), 0)
-        prompt = self.tokenizer.decode(requests[index].prompt_ids, skip_special_tokens=True)
-        if len(prompt) > PROMPT_SHOWN:
-            prompt = prompt[:PROMPT_SHOWN] + "..."
-        return RolloutFailed(
-            f"sampling completions failed for {len(exc.failures)} of {len(requests)} prompts; "
-            "a group missing a completion has no advantages to train on, so the run stops. "
-            f"The first: sample {sample} of the prompt {prompt!r} failed with "
-            f"{exc.failures[index]} (the engine's log has its traceback); the last saved "
-            "checkpoint is intact"
-        )
 
     def _cut(self, sample: SampleResult, stops: set[int]) -> SampleResult:
         """The sample up to and with its first stop token (as the engine would have ended it)."""
@@ -131,6 +116,23 @@ class PolicySampler:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def rollout_failed(tokenizer, requests: list[GenerationRequest], exc: GenerationFailed):
+    """The run-stopping error for a generation with failed samples, naming the first."""
+    index = min(exc.failures)
+    samples = exc.results[index]
+    sample = next((s.index for s in samples if s.error), 0)
+    prompt = tokenizer.decode(requests[index].prompt_ids, skip_special_tokens=True)
+    if len(prompt) > PROMPT_SHOWN:
+        prompt = prompt[:PROMPT_SHOWN] + "..."
+    return RolloutFailed(
+        f"sampling completions failed for {len(exc.failures)} of {len(requests)} prompts; "
+        "a group missing a completion has no advantages to train on, so the run stops. "
+        f"The first: sample {sample} of the prompt {prompt!r} failed with "
+        f"{exc.failures[index]} (the engine's log has its traceback); the last saved "
+        "checkpoint is intact"
+    )
 
 
 def sampling_params(grpo_args, n: int, seed: int, greedy: bool = False) -> SamplingParams:
