@@ -75,13 +75,15 @@ def _attn_impl(name: str, value: str) -> tuple[dict[str, str], str]:
 
 
 def _infer_backend(name: str, value: str) -> tuple[dict[str, str], str]:
-    if value in ("pt", "vllm", "sglang"):
-        return {"infer_backend": value}, ""
+    """ms-swift's spellings of swiftlm's own --infer_backend; its values pass unchanged (the
+    command's parser checks them, or says the command takes no --infer_backend)."""
     if value == "transformers":  # ms-swift 4's name for pt
         return {"infer_backend": "pt"}, "--infer_backend transformers is --infer_backend pt"
-    raise ConfigError(
-        f"--infer_backend {value} is not supported: choose pt (swiftlm's own engine) or vllm"
-    )
+    if value == "lmdeploy":
+        raise ConfigError(
+            "--infer_backend lmdeploy is not supported: choose pt (swiftlm's own engine) or vllm"
+        )
+    return {"infer_backend": value}, ""
 
 
 def _use_vllm(name: str, value: str) -> tuple[dict[str, str], str]:
