@@ -297,6 +297,33 @@ def test_what_vllm_rollouts_cannot_follow_is_refused(
 
 
 @pytest.mark.bad_input(
+    input="`swiftlm rlhf --rlhf_type grpo` with a --vllm_* flag but without --infer_backend vllm",
+    outcome="Exit 2 before anything loads, naming the flag and --infer_backend vllm",
+)
+def test_a_vllm_flag_without_the_vllm_backend_is_refused(tiny_model_dir, prompts, tmp_path, capsys):
+    assert main(grpo(tiny_model_dir, prompts, tmp_path / "x", vllm_mode="server")) == 2
+    assert "--vllm_mode server: only with --infer_backend vllm" in capsys.readouterr().err
+
+
+@pytest.mark.bad_input(
+    input="`swiftlm rlhf --rlhf_type grpo --vllm_mode server` where no `swiftlm rollout` "
+    "server answers",
+    outcome="Exit 2 after --vllm_server_timeout, naming the address and the command that "
+    "starts a server",
+)
+def test_a_missing_rollout_server_is_named(tiny_model_dir, prompts, tmp_path, capsys):
+    from serve_helpers import free_port
+
+    port = free_port()
+    flags = {"infer_backend": "vllm", "vllm_mode": "server", "vllm_server_port": port}
+    argv = grpo(tiny_model_dir, prompts, tmp_path / "x", vllm_server_timeout=1, **flags)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--vllm_server_port {port}: no rollout server answers /health" in err
+    assert "start one with `swiftlm rollout --model" in err
+
+
+@pytest.mark.bad_input(
     input="A GRPO prompt row without a prompt (`messages`, `prompt`, `query` ...)",
     outcome="Error naming file:line and the accepted layouts",
 )

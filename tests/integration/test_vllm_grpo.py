@@ -70,3 +70,27 @@ def test_without_the_reload_the_engine_falls_behind(model, tmp_path, monkeypatch
     monkeypatch.setattr(VllmEngine, "reload_weights", lambda self, folder: None)
     mismatch = logged(_grpo(model, tmp_path), "logprob_mismatch")
     assert mismatch[0] < MISMATCH_BOUND and max(mismatch[5:]) > 10 * MISMATCH_BOUND
+
+
+def test_gkd_samples_its_student_on_vllm(model, tmp_path, monkeypatch):
+    """GKD's on-policy steps (every step at --lmbda 1) sample the student on vLLM, its
+    weights synced before each."""
+    from swiftlm.methods.rl.vllm_rollout import VllmPolicySampler
+
+    for name, value in VLLM_ENV.items():
+        monkeypatch.setenv(name, value)
+    synced = []
+    sync = VllmPolicySampler._sync
+    monkeypatch.setattr(
+        VllmPolicySampler, "_sync", lambda self, policy: synced.append(1) or sync(self, policy)
+    )
+    data = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
+    out = tmp_path / "run"
+    argv = ["rlhf", "--rlhf_type", "gkd", "--teacher_model", str(model), "--lmbda", "1"]
+    argv += ["--model", str(model), "--dataset", str(data), "--output_dir", str(out)]
+    argv += ["--torch_dtype", "float32", "--report_to", "none", "--logging_steps", "1"]
+    argv += ["--per_device_train_batch_size", "4", "--max_completion_length", "8"]
+    argv += ["--max_length", "64", "--max_steps", "3", "--save_steps", "100"]
+    argv += ["--infer_backend", "vllm", "--vllm_enforce_eager", "true"]
+    assert main(argv) == 0
+    assert len(synced) == 3 and len(logged(out, "loss")) == 3

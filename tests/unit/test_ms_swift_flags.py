@@ -153,10 +153,21 @@ def test_ms_swift_s_grpo_vllm_flags_are_infer_backend_vllm(capsys):
 
     argv = ["--rlhf_type", "grpo", "--model", "m", "--dataset", "d", "--use_vllm", "true"]
     cfg = parse([*argv, "--vllm_mode", "colocate"], RLHFConfig, "rlhf")
-    assert cfg.grpo.infer_backend == "vllm"
+    assert cfg.grpo.infer_backend == "vllm" and cfg.grpo.vllm_mode == "colocate"
     assert "--use_vllm true is --infer_backend vllm" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="--vllm_mode server is not supported"):
-        parse([*argv, "--vllm_mode", "server"], RLHFConfig, "rlhf")
+    server = [
+        "--vllm_mode",
+        "server",
+        "--vllm_server_host",
+        "10.0.0.2",
+        "--vllm_server_port",
+        "8001",
+    ]
+    cfg = parse([*argv, *server], RLHFConfig, "rlhf")
+    assert (cfg.grpo.vllm_mode, cfg.grpo.vllm_server_host) == ("server", "10.0.0.2")
+    assert cfg.grpo.vllm_server_port == 8001
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse([*argv, "--vllm_mode", "remote"], RLHFConfig, "rlhf")
 
 
 def test_infer_backend_is_swiftlm_s_own_flag_with_ms_swift_s_values(capsys):

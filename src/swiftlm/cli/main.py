@@ -48,6 +48,12 @@ COMMANDS = {
         "swiftlm.serve.run",
         "Serve a model and its adapters over an OpenAI-compatible HTTP API.",
     ),
+    "rollout": (
+        "RolloutConfig",
+        "swiftlm.serve.rollout",
+        "Serve a model on vLLM to GRPO/GKD trainers (--vllm_mode server): they push their "
+        "weights over a collective before every generation.",
+    ),
     "plan": (
         "PlanConfig",
         "swiftlm.plan.run",

@@ -18,7 +18,7 @@ its code is; this package composes them.
 # helpers (`checks`, `sections`), and `commands` imports those sections back.
 _COMMANDS = (
     "DeployConfig", "EvalConfig", "ExportConfig", "InferConfig", "PlanConfig", "ReportConfig",
-    "RLHFConfig", "TrainConfig", "UNUSED_FLAGS", "WebConfig",
+    "RLHFConfig", "RolloutConfig", "TrainConfig", "UNUSED_FLAGS", "WebConfig",
 )  # fmt: skip
 _PARSING = ("load_saved_config", "parse_config", "save_config")
 __all__ = [*_COMMANDS, *_PARSING]

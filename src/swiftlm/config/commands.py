@@ -101,6 +101,16 @@ class DeployConfig:
     plugins: PluginArguments = field(default_factory=PluginArguments)
 
 
+@dataclass
+class RolloutConfig:
+    """`swiftlm rollout`: a model on vLLM, served to GRPO/GKD trainers (`--vllm_mode server`)."""
+
+    model: ModelArguments = field(default_factory=ModelArguments)
+    infer: InferArguments = field(default_factory=InferArguments)  # --seed, --vllm_*
+    deploy: DeployArguments = field(default_factory=DeployArguments)  # address, limits
+    plugins: PluginArguments = field(default_factory=PluginArguments)
+
+
 # What each command reads: per section of its config, every flag (ALL) or the flags named.
 # The command's parser, `--help`, the unknown-flag check and the web UI's forms offer exactly
 # these; any other flag of the config is an error when given (flag or YAML key).
@@ -207,6 +217,18 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
         "deploy": ALL,
         "plugins": ALL,
     },
+    "rollout": {
+        # The trainer's weights replace the model's before every generation; requests are
+        # token ids with swiftlm's sampling fields, and there are no API keys (a trainer's
+        # internal server, as `trl vllm-serve`).
+        "model": ("model", "torch_dtype"),
+        "infer": (
+            "seed", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+            "vllm_enforce_eager",
+        ),
+        "deploy": ("host", "port", "max_num_seqs", "max_model_len", "shutdown_timeout"),
+        "plugins": ALL,
+    },
     "report": {"report": ALL, "overwrite": ALL, "plugins": ALL},
     "web": {"web": ALL, "plugins": ALL},
     "plan": {
@@ -266,6 +288,7 @@ COMMAND_CONFIGS: dict[str, type] = {
     "eval": EvalConfig,
     "export": ExportConfig,
     "deploy": DeployConfig,
+    "rollout": RolloutConfig,
     "report": ReportConfig,
     "web": WebConfig,
     "plan": PlanConfig,

@@ -92,15 +92,6 @@ def _use_vllm(name: str, value: str) -> tuple[dict[str, str], str]:
     return {"infer_backend": "vllm"}, "--use_vllm true is --infer_backend vllm"
 
 
-def _vllm_mode(name: str, value: str) -> tuple[dict[str, str], str]:
-    if value == "colocate":
-        return {}, "--vllm_mode colocate: swiftlm's vLLM rollouts run in the trainer's process"
-    raise ConfigError(
-        f"--vllm_mode {value} is not supported: vLLM rollouts run colocated in the trainer's "
-        "process (--infer_backend vllm); a separate rollout server is not built yet"
-    )
-
-
 def _use_hf(name: str, value: str) -> tuple[dict[str, str], str]:
     if _flag_bool(name, value):
         return {}, "--use_hf true: swiftlm loads hub models from the Hugging Face Hub already"
@@ -133,7 +124,6 @@ VALUE_RULES: dict[str, Callable[[str, str], tuple[dict[str, str], str]]] = {
     "attn_impl": _attn_impl,  # ms-swift's flash_attn spellings; swiftlm's own values pass
     "infer_backend": _infer_backend,
     "use_vllm": _use_vllm,  # GRPO's rollouts
-    "vllm_mode": _vllm_mode,
     "use_hf": _use_hf,
     "dataset_shuffle": _dataset_shuffle,
     "check_model": _not_needed("it never contacts a hub to check a local model"),

@@ -12,5 +12,6 @@ Beside the core, what reads files: `build.py` builds an engine for a model folde
 adapters (`swiftlm infer`, `deploy` and `eval` start there), `vision.py` is the
 vision-language engine (transformers' generate behind the same interface), `score.py` the
 reward-model scorer (one forward pass, no generation), `vllm_backend.py` vLLM's engine
-behind the same interface (`--infer_backend vllm`).
+behind the same interface (`--infer_backend vllm`), `vllm_weight_sync.py` a trainer's weights
+pushed into a running vLLM over a collective (`swiftlm rollout`, `--vllm_mode server`).
 """

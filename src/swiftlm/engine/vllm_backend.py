@@ -64,12 +64,13 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def import_vllm():
+def import_vllm(flag: str | None = "--infer_backend vllm"):
+    """vLLM, or an error that says how to install it (after `flag`, the flag that asked)."""
     try:
         import vllm
     except ImportError as exc:
         raise ConfigError(
-            f"--infer_backend vllm: vLLM cannot be imported here ({exc}); install it: "
+            f"{flag + ': ' if flag else ''}vLLM cannot be imported here ({exc}); install it: "
             + INSTALL_HINT
         ) from None
     return vllm
@@ -83,6 +84,9 @@ class VllmOptions:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # no torch.compile / CUDA graphs: starts in seconds
     logprobs_mode: str = "raw"  # "raw" or "scaled": `SamplingParams.logprobs_mode`
+    # A class mixed into vLLM's workers (its qualified name), whose methods `call_workers`
+    # calls: vllm_weight_sync.WORKER_EXTENSION for `swiftlm rollout`'s weight pushes.
+    worker_extension: str = ""
 
 
 @dataclass
@@ -113,6 +117,7 @@ class VllmEngine:
         max_model_len: int,
         adapters: dict[str, str] | None = None,
         logprobs_mode: str = "raw",
+        workers: int = 1,
         cleanup: Callable[[], None] | None = None,
     ):
         self.llm_engine = llm_engine
@@ -126,6 +131,10 @@ class VllmEngine:
         self.adapters = tuple(adapters or {})
         self._lora_requests = _lora_requests(adapters or {})
         self.logprobs_mode = logprobs_mode
+        self.workers = workers  # vLLM's worker processes (tensor parallel)
+        from vllm.platforms import current_platform
+
+        self.device_type = current_platform.device_type  # "cpu", "cuda" ...
         self._cleanup = cleanup
         self.generated_tokens = 0
         self.prefill_tokens = 0
@@ -183,6 +192,14 @@ class VllmEngine:
         engine, in place, and forget its cached prefixes (their keys and values came from
         the old weights). Only between generations: nothing may be running."""
         self.llm_engine.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        self.llm_engine.reset_prefix_cache()
+
+    def call_workers(self, method: str, *args) -> list:
+        """Call `method` of the worker extension (`VllmOptions.worker_extension`) on every
+        vLLM worker, with JSON-like `args`; their results. Only between generations."""
+        return self.llm_engine.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()
 
     def validate(self, request: GenerationRequest) -> None:
@@ -461,6 +478,7 @@ def build_vllm_engine(
         tensor_parallel_size=options.tensor_parallel_size,
         logprobs_mode="processed_logprobs" if options.logprobs_mode == "scaled" else "raw_logprobs",
         max_logprobs=20,
+        worker_extension_cls=options.worker_extension,
         **_lora_args(adapters or {}),
         **_speculation_args(speculative_tokens),
     )
@@ -484,6 +502,7 @@ def build_vllm_engine(
         max_model_len=context,
         adapters=adapters,
         logprobs_mode=options.logprobs_mode,
+        workers=options.tensor_parallel_size,
         cleanup=(lambda: shutil.rmtree(merged_dir, ignore_errors=True)) if merged_dir else None,
     )
 

@@ -1,8 +1,8 @@
 """The config sections of the online methods of `swiftlm rlhf`, GRPO (rollouts, advantages,
 rewards) and GKD (the teacher), and their flag facts (`methods.flags.MethodFlags`). Same
 conventions as `config/sections.py`. Both sample from the policy through the serving
-engine, so the sampling flags (`--max_completion_length`, `--temperature`, `--top_p`) live in
-the GRPO section and GKD reads them too.
+engine, so the sampling flags (`--max_completion_length`, `--temperature`, `--top_p`) and the
+rollout engine's (`--infer_backend`, `--vllm_*`) live in the GRPO section and GKD reads them too.
 """
 
 from dataclasses import dataclass, fields
@@ -18,6 +18,11 @@ from swiftlm.methods.rl.rewards import REWARD_FUNCS
 # ms-swift's (and DeepSeek-R1's) reasoning format.
 DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
 SAMPLING_FLAGS = frozenset({"max_completion_length", "temperature", "top_p"})
+# The engine the rollouts run on: GKD's on-policy samples too.
+ROLLOUT_ENGINE_FLAGS = frozenset({
+    "infer_backend", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port",
+    "vllm_server_timeout", "vllm_enforce_eager", "vllm_gpu_memory_utilization",
+})  # fmt: skip
 
 
 @dataclass
@@ -95,20 +100,45 @@ class GRPOArguments:
     )
     repetition_n_grams: int = doc("grpo: the n of the `repetition` reward.", default=3)
     infer_backend: Literal["pt", "vllm"] = doc(
-        "grpo: the engine the rollouts run on. pt: swiftlm's, over the live policy module (no "
-        "copy of the weights). vllm: vLLM in the trainer's process (colocate), its weights "
-        "(LoRA merged) reloaded from the policy before every generation; the mismatch of its "
-        "log-probs with the trainer's is corrected (--vllm_importance_sampling_correction). "
-        "One process only, LoRA or full, not quantized.",
+        "grpo, gkd: the engine the rollouts run on. pt: swiftlm's, over the live policy module "
+        "(no copy of the weights). vllm: vLLM (--vllm_mode), its weights (LoRA merged) pushed "
+        "from the policy before every generation; GRPO corrects the mismatch of its log-probs "
+        "with the trainer's (--vllm_importance_sampling_correction). One trainer process, "
+        "LoRA or full, not quantized.",
         default="pt",
     )
+    vllm_mode: Literal["colocate", "server"] = doc(
+        "grpo, gkd --infer_backend vllm: colocate: vLLM in the trainer's process, its weights "
+        "reloaded from a shared-memory folder. server: a `swiftlm rollout` server at "
+        "--vllm_server_host/--vllm_server_port, its weights broadcast over a process group of "
+        "the two (gloo; NCCL when both are on GPUs), as `trl vllm-serve` does.",
+        default="colocate",
+    )
+    vllm_server_host: str = doc(
+        "grpo, gkd --vllm_mode server: the `swiftlm rollout` server's address.",
+        default="127.0.0.1",
+    )
+    vllm_server_port: int = doc(
+        "grpo, gkd --vllm_mode server: the `swiftlm rollout` server's HTTP port.", default=8000
+    )
+    vllm_group_port: int = doc(
+        "grpo, gkd --vllm_mode server: the TCP port, on the server's machine, of the process "
+        "group the weights are broadcast over.",
+        default=51216,
+    )
+    vllm_server_timeout: float = doc(
+        "grpo, gkd --vllm_mode server: seconds to wait for the server to answer /health/ "
+        "(it may still be loading), and for each generation or weight push.",
+        default=240.0,
+    )
     vllm_enforce_eager: bool = doc(
-        "grpo --infer_backend vllm: run vLLM eagerly (no torch.compile or CUDA graphs).",
+        "grpo, gkd --infer_backend vllm (colocate): run vLLM eagerly (no torch.compile or "
+        "CUDA graphs).",
         default=False,
     )
     vllm_gpu_memory_utilization: float = doc(
-        "grpo --infer_backend vllm on a GPU: the share of its memory vLLM may take; the "
-        "trainer shares the GPU. On a CPU vLLM reads VLLM_CPU_KVCACHE_SPACE (GiB).",
+        "grpo, gkd --infer_backend vllm (colocate) on a GPU: the share of its memory vLLM may "
+        "take; the trainer shares the GPU. On a CPU vLLM reads VLLM_CPU_KVCACHE_SPACE (GiB).",
         default=0.3,
     )
     vllm_importance_sampling_correction: bool = doc(
@@ -138,6 +168,9 @@ class GRPOArguments:
             repetition_n_grams=at_least(1),
             vllm_gpu_memory_utilization=within(0, 1, open_low=True),
             vllm_importance_sampling_cap=above(0),
+            vllm_server_port=within(1, 65535),
+            vllm_group_port=within(1, 65535),
+            vllm_server_timeout=above(0),
         )
 
 
@@ -209,7 +242,7 @@ GRPO_FLAGS = MethodFlags(
 GKD_FLAGS = MethodFlags(
     beta=0.5,
     beta_check=within(0, 1),
-    reads=_names(GKDArguments) | SAMPLING_FLAGS,
+    reads=_names(GKDArguments) | SAMPLING_FLAGS | ROLLOUT_ENGINE_FLAGS,
     defaults={"temperature": 0.9, "max_completion_length": 128},
     check=_check_gkd,
 )

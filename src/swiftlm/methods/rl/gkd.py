@@ -41,6 +41,7 @@ from swiftlm.methods.rl.online import (
     prompt_ids,
 )
 from swiftlm.methods.rl.rollout import PolicySampler, completion_rows, rollout_seed, sampling_params
+from swiftlm.methods.rl.samplers import check_sampler_layout, policy_sampler
 from swiftlm.methods.token import token_pads
 
 METHOD = "swiftlm rlhf --rlhf_type gkd"
@@ -64,7 +65,9 @@ class GKD(PromptBatches):
         self.cfg, self.data, self.rlhf = cfg, cfg.data, cfg.rlhf
         self.args, self.gkd = cfg.grpo, cfg.gkd  # sampling flags, teacher flags
         check_online_layout(cfg, METHOD)
-        self.sampler = PolicySampler(tokenizer, cfg.data.max_length)
+        check_sampler_layout(cfg)
+        self.sampler = policy_sampler(cfg, tokenizer)  # the student's on-policy samples
+        # The frozen teacher's samples (--seq_kd) on swiftlm's engine: its weights never change.
         self.teacher_sampler = PolicySampler(tokenizer, cfg.data.max_length)
         self.teacher: torch.nn.Module | None = None  # loaded in prepare_model
         self.metrics: dict[str, float] = {}

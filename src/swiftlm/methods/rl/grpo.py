@@ -44,7 +44,7 @@ from swiftlm.methods.rl.online import (
     sharded_by_fsdp2,
 )
 from swiftlm.methods.rl.rewards import RewardSet
-from swiftlm.methods.rl.rollout import PolicySampler
+from swiftlm.methods.rl.samplers import check_sampler_layout, policy_sampler
 from swiftlm.methods.token import token_pads
 
 
@@ -64,7 +64,7 @@ class GRPO(PromptBatches):
         self.completions_per_sample = self.args.num_generations
         # beta 0: no KL term, so no reference model is loaded or kept.
         self.reference = Reference(cfg, "grpo") if self.rlhf.beta > 0 else None
-        self.sampler = _sampler(cfg, tokenizer)
+        self.sampler = policy_sampler(cfg, tokenizer)
         self.rewards: RewardSet | None = None  # built in prepare_model (it logs)
         self.buffer = GenerationBuffer()
         self.rollouts: Rollouts | None = None
@@ -250,43 +250,11 @@ def truncated_importance_weight(old_logps, engine_logps, args) -> torch.Tensor:
     return ratio.clamp(max=args.vllm_importance_sampling_cap)
 
 
-def _sampler(cfg: RLHFConfig, tokenizer):
-    g = cfg.grpo
-    if g.infer_backend == "vllm":
-        from swiftlm.methods.rl.vllm_rollout import VllmPolicySampler
-
-        return VllmPolicySampler(
-            tokenizer, cfg.data.max_length, g.vllm_enforce_eager, g.vllm_gpu_memory_utilization
-        )
-    return PolicySampler(tokenizer, cfg.data.max_length, sharded_by_fsdp2(cfg))
-
-
-def _check_vllm(cfg: RLHFConfig) -> None:
-    """--infer_backend vllm runs one vLLM engine beside one trainer process, from merged
-    weights: refuse what that cannot be."""
-    d, tuner = cfg.dist, cfg.tuner
-    refused = {
-        f"--nproc_per_node {d.nproc_per_node}": d.nproc_per_node > 1,
-        f"--nnodes {d.nnodes}": str(d.nnodes) != "1",
-        f"--strategy {d.strategy}": d.strategy not in ("auto", "single", "ddp"),
-        f"--train_type {tuner.train_type}": tuner.train_type == "dora",
-        f"--quant_method {cfg.quant.quant_method}": cfg.quant.quant_method is not None,
-    }
-    for flag, given in refused.items():
-        if given:
-            raise ConfigError(
-                f"{flag}: not available with --infer_backend vllm yet (rollouts on vLLM run in "
-                "one trainer process, from its merged LoRA or full weights); use "
-                "--infer_backend pt"
-            )
-
-
 def _check_layout(cfg: RLHFConfig) -> None:
     """Refuse what GRPO cannot run, before anything loads."""
     g, t = cfg.grpo, cfg.train
     check_online_layout(cfg, "--rlhf_type grpo", lockstep=True)
-    if g.infer_backend == "vllm":
-        _check_vllm(cfg)
+    check_sampler_layout(cfg)
     if g.dynamic_sample and sharded_by_fsdp2(cfg):
         raise ConfigError(
             "--dynamic_sample: not available with FSDP2 (each rank would resample a different "

@@ -1,0 +1,60 @@
+"""Which engine an online method (GRPO, GKD) samples its policy on: `--infer_backend pt`
+(swiftlm's engine over the live module, `rollout.PolicySampler`), or vLLM colocated in the
+trainer's process (`vllm_rollout.VllmPolicySampler`) or behind a `swiftlm rollout` server
+(`vllm_server.VllmServerSampler`). All three take the same requests and return the same
+samples, so the methods do not know which one runs."""
+
+import dataclasses
+
+from swiftlm.errors import ConfigError
+from swiftlm.methods.rl.online import sharded_by_fsdp2
+from swiftlm.methods.rl.rollout import PolicySampler
+
+
+def policy_sampler(cfg, tokenizer):
+    """The sampler of the policy being trained, as the flags choose (nothing starts yet)."""
+    g = cfg.grpo
+    if g.infer_backend == "pt":
+        return PolicySampler(tokenizer, cfg.data.max_length, sharded_by_fsdp2(cfg))
+    if g.vllm_mode == "server":
+        from swiftlm.methods.rl.vllm_server import VllmServerSampler
+
+        return VllmServerSampler(tokenizer, g)
+    from swiftlm.methods.rl.vllm_rollout import VllmPolicySampler
+
+    return VllmPolicySampler(
+        tokenizer, cfg.data.max_length, g.vllm_enforce_eager, g.vllm_gpu_memory_utilization
+    )
+
+
+def check_sampler_layout(cfg) -> None:
+    """--infer_backend vllm samples with one vLLM engine (in the trainer's process or a
+    server's) for one trainer process, from merged weights: refuse what that cannot be, and
+    a --vllm_* flag set without it (it would change nothing)."""
+    if cfg.grpo.infer_backend != "vllm":
+        _refuse_vllm_flags(cfg.grpo)
+        return
+    d, tuner = cfg.dist, cfg.tuner
+    refused = {
+        f"--nproc_per_node {d.nproc_per_node}": d.nproc_per_node > 1,
+        f"--nnodes {d.nnodes}": str(d.nnodes) != "1",
+        f"--strategy {d.strategy}": d.strategy not in ("auto", "single", "ddp"),
+        f"--train_type {tuner.train_type}": tuner.train_type == "dora",
+        f"--quant_method {cfg.quant.quant_method}": cfg.quant.quant_method is not None,
+    }
+    for flag, given in refused.items():
+        if given:
+            raise ConfigError(
+                f"{flag}: not available with --infer_backend vllm yet (rollouts on vLLM run "
+                "for one trainer process, from its merged LoRA or full weights); use "
+                "--infer_backend pt"
+            )
+
+
+def _refuse_vllm_flags(args) -> None:
+    for field in dataclasses.fields(args):
+        if field.name.startswith("vllm_") and getattr(args, field.name) != field.default:
+            raise ConfigError(
+                f"--{field.name} {getattr(args, field.name)}: only with --infer_backend vllm "
+                "(the rollouts run on swiftlm's engine); add --infer_backend vllm or drop it"
+            )
