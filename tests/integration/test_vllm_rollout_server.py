@@ -117,6 +117,12 @@ def test_pushed_weights_are_the_ones_the_server_samples_from(server, model, tmp_
     assert any(b[0]["token_ids"] != a[0].token_ids for b, a in zip(served, pushed, strict=True))
 
 
+@pytest.mark.bad_input(
+    input="`swiftlm rollout`: a call with a missing, unknown or out-of-range field, prompt ids "
+    "outside the vocabulary, or weight-sync calls out of order",
+    outcome="400 naming the field (or the request), 409 naming the call to make first; the "
+    "server keeps serving",
+)
 @pytest.mark.parametrize(
     ("path", "body", "status", "says"),
     [
