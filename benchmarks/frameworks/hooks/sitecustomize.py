@@ -120,7 +120,9 @@ def patch_swiftlm_loop(module) -> None:
                 "label_tokens": StepCounter.take(),
             }
         )
-        write({"event": "loss", "step": state["step"], "loss": float(loss)})
+        # clip_and_step takes the step's `StepResult` (its .loss) since the loop's window
+        # refactor; a bare float before it
+        write({"event": "loss", "step": state["step"], "loss": float(getattr(loss, "loss", loss))})
         return result
 
     module.forward_backward, module.clip_and_step = forward_backward, clip_and_step
