@@ -144,6 +144,53 @@ def test_the_loss_of_a_batch_equals_an_independent_computation(tiny_model_dir, t
     assert method.normalizer(method.collate(Layout([[s] for s in samples], False))) == 3
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("flags", [{"beta": 0.3, "rpo_alpha": 0.5}, {"rlhf_type": "simpo"}])
+def test_padding_free_pairs_equal_padded_pairs(tiny_model_dir, flags):
+    """Every answer of a micro-batch in one packed row (positions restarting per answer,
+    swiftlm's per-segment attention), two rows of --packing, and one padded row per answer
+    give the same loss, metrics and LoRA gradients: the same sums, in other orders."""
+    from swiftlm.data.collate import count_input_tokens
+    from swiftlm.methods.base import Layout
+    from swiftlm.methods.preference.dpo import answer_logps
+    from swiftlm.models.attention import VARLEN, register_varlen_attention
+
+    register_varlen_attention()
+    method, samples, model, *_ = loss_on_three_pairs(tiny_model_dir, flags)
+    model.base_model.model.config._attn_implementation = VARLEN
+    layouts = {
+        "padded": Layout([[s] for s in samples], False),
+        "padding_free": Layout([samples], True),
+        "packed": Layout([samples[:2], samples[2:]], True),
+    }
+    results = {}
+    for name, layout in layouts.items():
+        model.zero_grad()
+        batch = method.collate(layout)
+        loss, metrics = method.loss(model, batch)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            answers = answer_logps(model, batch)[0]
+        results[name] = (loss.item(), metrics, grads, answers, count_input_tokens(batch))
+    loss, metrics, grads, answers, tokens = results["padded"]
+    size = answers.abs().sum().item()  # what the loss and the metrics are sums of
+    terms = forward_terms(tokens=64)
+    for name in ("padding_free", "packed"):
+        other_loss, other_metrics, other_grads, other_answers, other_tokens = results[name]
+        assert other_tokens == tokens  # the same real tokens, no padding computed
+        for ours, theirs in zip(other_answers.tolist(), answers.tolist(), strict=True):
+            assert_close(ours, theirs, terms=terms, magnitude=abs(theirs), what="answer log-prob")
+        assert_close(other_loss, loss, terms=terms, magnitude=size, what=f"{name} loss")
+        for key in ("logps/chosen", "logps/rejected", "rewards/margins"):
+            assert_close(other_metrics[key], metrics[key], terms=terms, magnitude=size, what=key)
+        for ours, theirs in zip(other_grads, grads, strict=True):
+            scale = theirs.abs().max().item()
+            assert_close(ours, theirs, terms=backward_terms(64), magnitude=scale, what="grad")
+    packed = method.collate(layouts["padding_free"])
+    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
+
+
 class _nothing:
     def __enter__(self):
         return self

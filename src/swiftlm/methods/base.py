@@ -147,6 +147,9 @@ class MethodDefaults:
     model_kind: str = CAUSAL_LM
     # Whether the method trains vision-language models (it takes `vision=VisionInputs`).
     supports_images: bool = False
+    # Whether a packed row may hold several samples of a vision-language model (where the
+    # method supports packing and the model is in data.vision_batch's PACKABLE).
+    packs_images: bool = True
     # Rows the batch plan counts per sample: GRPO's micro-batch of completions holds
     # per_device_train_batch_size / num_generations prompts.
     completions_per_sample: int = 1

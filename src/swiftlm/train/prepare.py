@@ -55,8 +55,13 @@ def build_method(cfg: TrainConfig, method_cls, model_path: str) -> tuple[Method,
             f"{method_cls.name} does not train vision-language models ({vision_type}); "
             "use swiftlm sft or swiftlm rlhf --rlhf_type dpo, or a text-only --model"
         )
+    flag = "--packing" if cfg.train.packing else "--padding_free"
+    if (cfg.train.packing or cfg.train.padding_free) and not method_cls.packs_images:
+        raise ConfigError(
+            f"{flag}: {method_cls.name} on a vision-language model keeps one conversation per "
+            "row (its image features are laid out per row); drop the flag"
+        )
     if (cfg.train.packing or cfg.train.padding_free) and vision_type not in PACKABLE:
-        flag = "--packing" if cfg.train.packing else "--padding_free"
         raise ConfigError(
             f"{flag}: packed batches of {vision_type} models need per-sample image positions "
             "(Qwen2-VL's multimodal rotary positions, Idefics3's per-sample image grids), which "

@@ -104,7 +104,8 @@ def default_padding_free(cfg: TrainConfig, device: torch.device, method_cls) -> 
     """
     fixed_shapes = cfg.train.packing or pipeline(cfg.dist) or not method_cls.supports_packing
     vision_type = vision_language_type(cfg.model.model) if cfg.model.model else None
-    fixed_shapes = fixed_shapes or bool(vision_type and vision_type not in PACKABLE)
+    packable = vision_type in PACKABLE and method_cls.packs_images
+    fixed_shapes = fixed_shapes or bool(vision_type and not packable)
     return not fixed_shapes and (device.type == "cpu" or flash_attention_available(device))
 
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from swiftlm.config import RLHFConfig
-from swiftlm.data.collate import collate, model_inputs
+from swiftlm.data.collate import collate, collate_packed, model_inputs
 from swiftlm.data.encode import IGNORE_INDEX, TruncationReport, encode_chat, truncate
 from swiftlm.data.preference import preference_sample
 from swiftlm.data.vision_batch import VISION_COLUMN
@@ -66,10 +66,14 @@ class DPO(MethodDefaults):
         "rejected_labels",
         "weight",
     )
-    supports_packing = False
+    # --padding_free/--packing: the answers of a micro-batch's pairs share rows, positions
+    # restarting per answer; each answer's log-prob is summed over its segment.
+    supports_packing = True
     default_datasets: tuple[str, ...] = ()
-    # A vision-language model: each side keeps its image features (methods.vision).
+    # A vision-language model: each side keeps its image features (methods.vision), one
+    # conversation per row.
     supports_images = True
+    packs_images = False
 
     def __init__(self, cfg: RLHFConfig, tokenizer, vision: VisionInputs | None = None):
         self.tokenizer = tokenizer
@@ -164,8 +168,22 @@ class DPO(MethodDefaults):
 
     def collate(self, layout: Layout) -> Batch:
         """2B right-padded rows, the B chosen answers first; `weight` [B] (0 for padding);
-        `ref_logps` [2B] when the samples carry precomputed reference log-probs."""
-        pairs = [row[0] for row in layout.rows]
+        `ref_logps` [2B] when the samples carry precomputed reference log-probs. Packed
+        (--padding_free, --packing): each layout row's pairs, both sides, in one row
+        (`packed_pairs`), the answers numbered as the padded rows would be."""
+        if layout.packed:
+            pairs = [pair for row in layout.rows for pair in row]
+            batch = packed_pairs(layout.rows, self.tokenizer.pad_token_id)
+        else:
+            pairs = [row[0] for row in layout.rows]
+            batch = self._padded(pairs)
+        batch["weight"] = torch.tensor([p["weight"] for p in pairs], dtype=torch.float32)
+        if REF_KEYS[0] in pairs[0]:
+            values = [p[f"ref_{side}_logps"] for side in SIDES for p in pairs]
+            batch["ref_logps"] = torch.tensor(values, dtype=torch.float32)
+        return batch
+
+    def _padded(self, pairs: list[dict]) -> Batch:
         rows = [
             {
                 "input_ids": p[f"{side}_input_ids"],
@@ -179,10 +197,6 @@ class DPO(MethodDefaults):
         if self.vision is not None:
             width = batch["input_ids"].shape[1]
             batch.update(self.vision.batch_inputs([[row] for row in rows], width))
-        batch["weight"] = torch.tensor([p["weight"] for p in pairs], dtype=torch.float32)
-        if REF_KEYS[0] in pairs[0]:
-            values = [p[f"ref_{side}_logps"] for side in SIDES for p in pairs]
-            batch["ref_logps"] = torch.tensor(values, dtype=torch.float32)
         return batch
 
     @staticmethod
@@ -309,13 +323,46 @@ class DPO(MethodDefaults):
         )
 
 
+def packed_pairs(rows: list[list[dict]], pad_token_id: int) -> Batch:
+    """Each row's pairs as one packed row (their chosen answers, then their rejected ones),
+    with `answer_ids`: per token, the answer it belongs to in the padded layout's order (all
+    chosen answers, then all rejected ones; -1 for padding)."""
+    count = sum(len(row) for row in rows)
+    sequences, answer_ids, first = [], [], 0
+    for row in rows:
+        row_sequences, row_ids = [], []
+        for offset, side in ((0, "chosen"), (count, "rejected")):
+            for i, pair in enumerate(row):
+                row_sequences.append(
+                    {"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
+                )
+                row_ids += [offset + first + i] * len(pair[f"{side}_input_ids"])
+        sequences.append(row_sequences)
+        answer_ids.append(row_ids)
+        first += len(row)
+    batch = collate_packed(sequences, pad_token_id)
+    ids = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+    for r, row_ids in enumerate(answer_ids):
+        ids[r, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+    return {**batch, "answer_ids": ids}
+
+
 def answer_logps(model, batch: Batch, context=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the sum of the label tokens' log-probs (float32) and their number."""
+    """Per answer (a row, or a segment of a packed row): the sum of its label tokens'
+    log-probs (float32) and their number."""
     with context or contextlib.nullcontext():
         logits = model(**model_inputs(batch), use_cache=False).logits
     token_logps = -token_cross_entropy(logits, batch["labels"])
-    counts = (shifted_labels(batch["labels"]) != IGNORE_INDEX).sum(-1).to(token_logps)
-    return token_logps.sum(-1), counts.clamp(min=1)
+    labelled = shifted_labels(batch["labels"]) != IGNORE_INDEX
+    if "answer_ids" not in batch:
+        return token_logps.sum(-1), labelled.sum(-1).to(token_logps).clamp(min=1)
+    # Position t scores label t + 1; where that label counts, token t + 1 is in token t's
+    # answer (a packed answer's first label is ignored: collate_packed drops it).
+    owner = batch["answer_ids"][labelled]
+    answers = 2 * batch["weight"].numel()  # the pairs' two sides (a shape: no device sync)
+    sums = token_logps.new_zeros(answers).index_add(0, owner, token_logps[labelled])
+    counts = token_logps.new_zeros(answers).index_add(0, owner, torch.ones_like(sums[owner]))
+    return sums, counts.clamp(min=1)
 
 
 def pair_metrics(chosen, rejected, rewards_chosen, rewards_rejected, nll) -> dict:

@@ -44,6 +44,7 @@ class RewardModel(DPO):
     model_kind = SEQUENCE_CLASSIFICATION
     columns = (*DPO.columns, "margin")
     supports_images = False  # a value head on a text transformer
+    supports_packing = False  # the head reads each row's last token: one pair side per row
 
     def __init__(self, cfg: RLHFConfig, tokenizer):
         # Refused before the model loads: the pipeline stages are built from a causal LM.
