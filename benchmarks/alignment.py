@@ -1,6 +1,6 @@
-"""swiftlm vs TRL on alignment: DPO numerics on one batch, then DPO and GRPO step times.
+"""swiftlm vs TRL on alignment: DPO numerics on one batch, then DPO, KTO and GRPO step times.
 
-    .venv/bin/python benchmarks/alignment.py [--only dpo|grpo|all] [--steps 8] [--repeats 2]
+    .venv/bin/python benchmarks/alignment.py [--only dpo|kto|grpo|all] [--steps 8] [--repeats 2]
         [--dtype fp32|bf16] [--model DIR] [--skip-check | --check-only]
 
 1. Environment. TRL runs in its own venv, the frameworks benchmark's `.venvs/trl` (TRL 1.16,
@@ -31,6 +31,9 @@
    steps 3..N is reported as the median step time, and the ratio TRL / swiftlm (> 1: swiftlm
    faster) is the median of the per-round ratios.
    DPO data: swiftlm/concise-preference in TRL's conversational layout, one file for both.
+   DPO and KTO also run swiftlm with `--padding_free false` (`swiftlm_padded`): the speed-up
+   of padding-free answers. KTO (on the same pairs, a desirable and an undesirable answer
+   each) runs swiftlm only: TRL's KTOTrainer is not wired into alignment_trl.py yet.
    GRPO data: arithmetic questions with a `solution`; reward: the completion's last number
    equals it (swiftlm's built-in `accuracy`, the same rule in alignment_trl.py); loss `grpo`
    (swiftlm's default; TRL's is `dapo`), the same KL beta, no vLLM. The table also shows each
@@ -338,7 +341,25 @@ def dpo_commands(model: str, data: Path, steps: int, dtype: str) -> dict:
            "--batch_size", str(DPO_BATCH)]  # fmt: skip
     return {
         "swiftlm": lambda out: swiftlm_common(model, steps, dtype, out) + swiftlm,
+        # swiftlm's DPO before padding-free pairs, for the speed-up they bring
+        "swiftlm_padded": lambda out: (
+            swiftlm_common(model, steps, dtype, out) + swiftlm + ["--padding_free", "false"]
+        ),
         "trl": lambda out: trl_common("dpo", model, steps, dtype, out) + trl,
+    }
+
+
+def kto_commands(model: str, data: Path, steps: int, dtype: str) -> dict:
+    """KTO on the DPO pairs (each pair: a desirable and an undesirable answer), swiftlm only:
+    padding-free rows (the default) against padded ones. TRL's KTOTrainer is not wired here."""
+    swiftlm = ["--rlhf_type", "kto", "--dataset", str(data), "--beta", str(BETA),
+               "--max_length", str(DPO_MAX_LENGTH), "--truncation_strategy", "right",
+               "--per_device_train_batch_size", str(2 * DPO_BATCH)]  # fmt: skip
+    return {
+        "swiftlm": lambda out: swiftlm_common(model, steps, dtype, out) + swiftlm,
+        "swiftlm_padded": lambda out: (
+            swiftlm_common(model, steps, dtype, out) + swiftlm + ["--padding_free", "false"]
+        ),
     }
 
 
@@ -443,17 +464,18 @@ def speed_table(part: str, runs: dict, note: str) -> str:
         lengths = [r["completion_length"] for r in ok if "completion_length" in r]
         length = f"{statistics.mean(lengths):.1f}" if lengths else "-"
         lines.append(f"| {tool} | {step:.2f} | {len(ok)}/{len(results)} | {rss:.2f} | {length} |")
-    ratios = [
-        t["median_step_s"] / s["median_step_s"]
-        for s, t in zip(runs.get("swiftlm", []), runs.get("trl", []), strict=False)
-        if "error" not in s and "error" not in t
-    ]
-    if ratios:
-        per_round = ", ".join(f"{r:.2f}" for r in ratios)
-        lines.append(
-            f"| TRL / swiftlm step time (speed-up) | {statistics.median(ratios):.2f}x "
-            f"(rounds: {per_round}) | | | |"
-        )
+    for tool in (name for name in runs if name != "trl"):
+        ratios = [
+            t["median_step_s"] / s["median_step_s"]
+            for s, t in zip(runs[tool], runs.get("trl", []), strict=False)
+            if "error" not in s and "error" not in t
+        ]
+        if ratios:
+            per_round = ", ".join(f"{r:.2f}" for r in ratios)
+            lines.append(
+                f"| TRL / {tool} step time (speed-up) | {statistics.median(ratios):.2f}x "
+                f"(rounds: {per_round}) | | | |"
+            )
     return "\n".join(lines)
 
 
@@ -469,7 +491,7 @@ def default_model() -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["dpo", "grpo", "all"], default="all",
+    parser.add_argument("--only", choices=["dpo", "kto", "grpo", "all"], default="all",
                         help="which timing to run (the equality check runs unless --skip-check)")  # fmt: skip
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--check-only", action="store_true", help="only the equality check")
@@ -506,6 +528,11 @@ def main() -> int:
         raw["dpo"] = run_part("dpo", commands, args, root)
         setting = f"batch {DPO_BATCH} pairs, max_length {DPO_MAX_LENGTH}, beta {BETA}, sigmoid"
         tables.append(speed_table("DPO", raw["dpo"], f"{note}; {setting}"))
+    if args.only in ("kto", "all"):
+        commands = kto_commands(model, dpo_data(root), args.steps, args.dtype)
+        raw["kto"] = run_part("kto", commands, args, root)
+        setting = f"batch {2 * DPO_BATCH} answers, max_length {DPO_MAX_LENGTH}, beta {BETA}"
+        tables.append(speed_table("KTO", raw["kto"], f"{note}; {setting}"))
     if args.only in ("grpo", "all"):
         commands = grpo_commands(
             model, grpo_data(root), args.steps, args.dtype, args.grpo_batch, args.grpo_generations

@@ -325,31 +325,38 @@ class DPO(MethodDefaults):
 
 def packed_pairs(rows: list[list[dict]], pad_token_id: int) -> Batch:
     """Each row's pairs as one packed row (their chosen answers, then their rejected ones),
-    with `answer_ids`: per token, the answer it belongs to in the padded layout's order (all
-    chosen answers, then all rejected ones; -1 for padding)."""
+    numbered as the padded layout orders them: all chosen answers, then all rejected ones."""
     count = sum(len(row) for row in rows)
-    sequences, answer_ids, first = [], [], 0
+    numbered, first = [], 0
     for row in rows:
-        row_sequences, row_ids = [], []
-        for offset, side in ((0, "chosen"), (count, "rejected")):
-            for i, pair in enumerate(row):
-                row_sequences.append(
-                    {"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
-                )
-                row_ids += [offset + first + i] * len(pair[f"{side}_input_ids"])
-        sequences.append(row_sequences)
-        answer_ids.append(row_ids)
+        numbered.append(
+            [
+                (offset + first + i, {k: pair[f"{side}_{k}"] for k in ("input_ids", "labels")})
+                for offset, side in ((0, "chosen"), (count, "rejected"))
+                for i, pair in enumerate(row)
+            ]
+        )
         first += len(row)
-    batch = collate_packed(sequences, pad_token_id)
+    return packed_answers(numbered, pad_token_id)
+
+
+def packed_answers(rows: list[list[tuple[int, dict]]], pad_token_id: int) -> Batch:
+    """Rows of numbered answers ((index, {input_ids, labels})) packed as `collate_packed`
+    does, with `answer_ids`: per token, the index of the answer it belongs to (-1: padding)."""
+    batch = collate_packed([[answer for _, answer in row] for row in rows], pad_token_id)
     ids = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
-    for r, row_ids in enumerate(answer_ids):
-        ids[r, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+    for r, row in enumerate(rows):
+        owners = [index for index, answer in row for _ in answer["input_ids"]]
+        ids[r, : len(owners)] = torch.tensor(owners, dtype=torch.long)
     return {**batch, "answer_ids": ids}
 
 
-def answer_logps(model, batch: Batch, context=None) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_logps(
+    model, batch: Batch, context=None, answers: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per answer (a row, or a segment of a packed row): the sum of its label tokens'
-    log-probs (float32) and their number."""
+    log-probs (float32) and their number. `answers`: how many a packed batch holds (default:
+    both sides of its pairs, known from `weight`'s shape: no device sync)."""
     with context or contextlib.nullcontext():
         logits = model(**model_inputs(batch), use_cache=False).logits
     token_logps = -token_cross_entropy(logits, batch["labels"])
@@ -359,7 +366,7 @@ def answer_logps(model, batch: Batch, context=None) -> tuple[torch.Tensor, torch
     # Position t scores label t + 1; where that label counts, token t + 1 is in token t's
     # answer (a packed answer's first label is ignored: collate_packed drops it).
     owner = batch["answer_ids"][labelled]
-    answers = 2 * batch["weight"].numel()  # the pairs' two sides (a shape: no device sync)
+    answers = answers or 2 * batch["weight"].numel()
     sums = token_logps.new_zeros(answers).index_add(0, owner, token_logps[labelled])
     counts = token_logps.new_zeros(answers).index_add(0, owner, torch.ones_like(sums[owner]))
     return sums, counts.clamp(min=1)

@@ -44,7 +44,7 @@ from swiftlm.data.unpaired import unpaired_samples
 from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.preference import kto_losses
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
-from swiftlm.methods.preference.dpo import answer_logps
+from swiftlm.methods.preference.dpo import answer_logps, packed_answers
 from swiftlm.methods.reference import Reference
 from swiftlm.methods.token import token_pads
 
@@ -54,7 +54,8 @@ MAIN, KL = "", "kl_"  # the prefixes of the matched and the mismatched rows' ten
 class KTO(MethodDefaults):
     name = "kto"
     columns = ("prompt_ids", "completion_ids", "completion_labels", "desirable", "weight")
-    supports_packing = False
+    # --padding_free/--packing: matched rows share packed rows, mismatched ones too.
+    supports_packing = True
     default_datasets: tuple[str, ...] = ()
 
     def __init__(self, cfg: RLHFConfig, tokenizer):
@@ -121,17 +122,30 @@ class KTO(MethodDefaults):
 
     def collate(self, layout: Layout) -> Batch:
         """B right-padded rows x_i + y_i; with kto also the B mismatched rows x_{i+1} + y_i
-        (`kl_*` tensors); `desirable` and `weight` [B] (weight 0 for padding samples)."""
-        samples = [row[0] for row in layout.rows]
-        pad = self.tokenizer.pad_token_id
-        batch = collate([_row(s, s, None) for s in samples], pad)
+        (`kl_*` tensors); `desirable` and `weight` [B] (weight 0 for padding samples).
+        Packed (--padding_free, --packing): the matched rows share packed rows, and so do the
+        mismatched ones, each answer numbered as in the padded layout (`packed_answers`)."""
+        samples = [sample for row in layout.rows for sample in row]
+        n, limit = len(samples), self.data.max_length
+        matched = [_row(s, s, None) for s in samples]
+        batch = self._layout(matched, layout)
         if self.uses_kl:
-            n, limit = len(samples), self.data.max_length
             mismatched = [_row(samples[(i + 1) % n], samples[i], limit) for i in range(n)]
-            batch |= {KL + k: v for k, v in collate(mismatched, pad).items()}
+            batch |= {KL + k: v for k, v in self._layout(mismatched, layout).items()}
         batch["desirable"] = torch.tensor([bool(s["desirable"]) for s in samples])
         batch["weight"] = torch.tensor([s["weight"] for s in samples], dtype=torch.float32)
         return batch
+
+    def _layout(self, rows: list[dict], layout: Layout) -> Batch:
+        """`rows` (one per sample, in order) padded, or packed as the layout's rows are."""
+        pad = self.tokenizer.pad_token_id
+        if not layout.packed:
+            return collate(rows, pad)
+        numbered, first = [], 0
+        for row in layout.rows:
+            numbered.append([(first + i, rows[first + i]) for i in range(len(row))])
+            first += len(row)
+        return packed_answers(numbered, pad)
 
     @staticmethod
     def normalizer(batch: Batch) -> torch.Tensor:
@@ -151,7 +165,7 @@ class KTO(MethodDefaults):
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
         weight = batch["weight"]
         kl = self._kl(model, batch) if self.uses_kl else torch.zeros((), device=weight.device)
-        logps, _ = answer_logps(model, _rows(batch, MAIN))
+        logps, _ = answer_logps(model, _rows(batch, MAIN), answers=weight.numel())
         ref_logps = self._reference_logps(model, batch, MAIN)
         desirable = batch["desirable"].bool()
         r = self.rlhf
@@ -177,12 +191,13 @@ class KTO(MethodDefaults):
     def _reference_logps(self, model, batch: Batch, prefix: str) -> torch.Tensor:
         reference, context = self.reference.module(model)  # a fresh context per forward
         with torch.no_grad():
-            return answer_logps(reference, _rows(batch, prefix), context)[0]
+            answers = batch["weight"].numel()
+            return answer_logps(reference, _rows(batch, prefix), context, answers)[0]
 
     def _kl(self, model, batch: Batch) -> torch.Tensor:
         """z = max(0, weighted mean of the mismatched rows' policy - reference log-probs)."""
         with torch.no_grad():
-            policy, _ = answer_logps(model, _rows(batch, KL))
+            policy, _ = answer_logps(model, _rows(batch, KL), answers=batch["weight"].numel())
         gaps = policy - self._reference_logps(model, batch, KL)
         weight = batch["weight"].to(gaps)
         mean = (gaps * weight).sum() / weight.sum().clamp(min=1e-12)
@@ -220,5 +235,9 @@ def _row(prompt_of: dict, answer_of: dict, limit: int | None) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
+ROW_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "answer_ids")
+
+
 def _rows(batch: Batch, prefix: str) -> Batch:
-    return {k: batch[prefix + k] for k in ("input_ids", "attention_mask", "labels")}
+    """The matched (MAIN) or mismatched (KL) rows' tensors, in either layout."""
+    return {k: batch[prefix + k] for k in ROW_KEYS if prefix + k in batch}
