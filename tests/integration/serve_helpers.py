@@ -1,7 +1,10 @@
 """Helpers of the serving tests: uvicorn in a thread, an app's routes, and a deliberately slow
 engine."""
 
+import os
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections import deque
@@ -13,6 +16,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_server_process(command: list[str], env: dict, url: str, what: str, timeout=300):
+    """Start a server command (`swiftlm deploy`, `swiftlm rollout` ...) and wait until its
+    /health answers 200. Its output goes to a file (a pipe nobody reads would fill and stop
+    the server): `server_output(process)` reads it."""
+    import httpx
+
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the server)
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}
+    )
+    process.log = log
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, server_output(process)
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not start: {server_output(process)}"
+        time.sleep(0.5)
+
+
+def server_output(process) -> str:
+    process.log.seek(0)
+    return process.log.read()
 
 
 def app_routes(app) -> list[tuple[str, str]]:

@@ -8,14 +8,11 @@ These run where vLLM installs: `bash scripts/setup_vllm.sh`, then
 """
 
 import json
-import os
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from serve_helpers import free_port
+from serve_helpers import free_port, start_server_process
 
 from conftest import write_jsonl
 from swiftlm.cli.main import main
@@ -43,21 +40,9 @@ def server(model):
     command += ["--port", str(port), "--served_model_name", "tiny", "--api_key", KEY]
     command += ["--adapters", f"a={adapter}", "--torch_dtype", "float32"]
     command += ["--max_model_len", "256"]
-    env = {**os.environ, **VLLM_ENV}
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "swiftlm deploy --infer_backend vllm did not start"
-        time.sleep(0.5)
+    what = "swiftlm deploy --infer_backend vllm"
+    process = start_server_process(command, VLLM_ENV, url, what)
     yield url
     process.terminate()
     assert process.wait(timeout=60) == 0

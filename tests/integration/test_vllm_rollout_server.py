@@ -14,15 +14,12 @@ These run where vLLM installs: `bash scripts/setup_vllm.sh`, then
 `.venv-vllm/bin/python -m pytest -m vllm` (.ci/run does both).
 """
 
-import os
-import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from serve_helpers import free_port
+from serve_helpers import free_port, server_output, start_server_process
 
 from conftest import build_tokenizer, logged, make_tiny_llama, write_jsonl
 from swiftlm.cli.main import main
@@ -48,27 +45,12 @@ def server(model):
     command = [sys.executable, "-m", "swiftlm", "rollout", "--model", str(model)]
     command += ["--port", str(port), "--torch_dtype", "float32", "--vllm_enforce_eager", "true"]
     command += ["--max_model_len", "128"]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **VLLM_ENV},
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "swiftlm rollout did not start"
-        time.sleep(0.5)
+    process = start_server_process(command, VLLM_ENV, url, "swiftlm rollout")
     yield SimpleNamespace(url=url, port=port, group_port=group_port)
     process.terminate()
-    output, _ = process.communicate(timeout=60)
+    process.wait(timeout=60)
+    output = server_output(process)
     assert process.returncode == 0, output
     assert "terminate called" not in output, output
 

@@ -17,7 +17,7 @@ reaches it can push weights, so it answers only this machine unless --host says 
 from swiftlm.config import RolloutConfig
 from swiftlm.engine.vllm_backend import import_vllm
 from swiftlm.models.loader import ResolvedModel, resolve_model
-from swiftlm.serve.run import check_port_free, draining_server_class, require_serve_extra
+from swiftlm.serve.run import check_port_free, draining_server, require_serve_extra, url
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a generation call carries every prompt of a step
 
@@ -61,8 +61,6 @@ def start_engine(cfg: RolloutConfig, model: ResolvedModel):
 
 
 def serve(cfg: RolloutConfig, engine, model_name: str) -> None:
-    import uvicorn
-
     from swiftlm.serve.app import ServerSettings, create_app
     from swiftlm.serve.metrics import GenerationMetrics
     from swiftlm.serve.routes.health import health_router
@@ -75,15 +73,8 @@ def serve(cfg: RolloutConfig, engine, model_name: str) -> None:
     service = RolloutService(engine, d.host, metrics, model_name)
     routers = [health_router(), metrics_router(metrics), rollout_router(service)]
     app = create_app(settings, metrics, routers)
-    config = uvicorn.Config(
-        app,
-        host=d.host,
-        port=d.port,
-        timeout_graceful_shutdown=d.shutdown_timeout,
-        log_level="warning",
-    )
-    server = draining_server_class()(config, app.state.server)
-    print(f"Rollout server for {model_name} at http://{d.host}:{d.port}", flush=True)
+    server = draining_server(app, d.host, d.port, d.shutdown_timeout)
+    print(f"Rollout server for {model_name} at {url(d.host, d.port)}", flush=True)
     if d.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"Warning: --host {d.host}: anyone who reaches it can push weights", flush=True)
     server.run()

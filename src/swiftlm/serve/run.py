@@ -94,7 +94,6 @@ def start_engine(cfg: DeployConfig, plan: DeployPlan):
 
 
 def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
-    import uvicorn
 
     from swiftlm.serve.app import ServerSettings, generation_app, scoring_app
 
@@ -113,19 +112,26 @@ def serve(cfg: DeployConfig, plan: DeployPlan, engine) -> None:
         app = scoring_app(engine, plan.served, settings)
     else:
         app = generation_app(engine, engine.tokenizer, plan.served, settings)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        log_level="warning",
-    )
-    server = draining_server_class()(config, app.state.server)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"Serving {', '.join(plan.served.names())} at http://{host}:{args.port}/v1", flush=True)
+    server = draining_server(app, args.host, args.port, args.shutdown_timeout)
+    print(f"Serving {', '.join(plan.served.names())} at {url(args.host, args.port)}/v1", flush=True)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print("Warning: no --api_key and not bound to localhost: anyone can call it", flush=True)
     server.run()
+
+
+def draining_server(app, host: str, port: int, shutdown_timeout: float):
+    """uvicorn serving `app` (made by serve.app.create_app) at host:port, draining on SIGTERM
+    for up to `shutdown_timeout` seconds."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="warning"
+    )
+    return draining_server_class()(config, app.state.server)
+
+
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def draining_server_class():
