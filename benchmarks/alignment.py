@@ -32,8 +32,8 @@
    faster) is the median of the per-round ratios.
    DPO data: swiftlm/concise-preference in TRL's conversational layout, one file for both.
    DPO and KTO also run swiftlm with `--padding_free false` (`swiftlm_padded`): the speed-up
-   of padding-free answers. KTO (on the same pairs, a desirable and an undesirable answer
-   each) runs swiftlm only: TRL's KTOTrainer is not wired into alignment_trl.py yet.
+   of padding-free answers. KTO reads the same pairs, each a desirable then an undesirable
+   answer (TRL's rows unpaired by alignment_trl.py), loss `kto`, 8 answers per step.
    GRPO data: arithmetic questions with a `solution`; reward: the completion's last number
    equals it (swiftlm's built-in `accuracy`, the same rule in alignment_trl.py); loss `grpo`
    (swiftlm's default; TRL's is `dapo`), the same KL beta, no vLLM. The table also shows each
@@ -350,16 +350,19 @@ def dpo_commands(model: str, data: Path, steps: int, dtype: str) -> dict:
 
 
 def kto_commands(model: str, data: Path, steps: int, dtype: str) -> dict:
-    """KTO on the DPO pairs (each pair: a desirable and an undesirable answer), swiftlm only:
-    padding-free rows (the default) against padded ones. TRL's KTOTrainer is not wired here."""
+    """KTO on the DPO pairs (each pair: a desirable and an undesirable answer, in that
+    order, for both tools); swiftlm padding-free (the default) and padded."""
     swiftlm = ["--rlhf_type", "kto", "--dataset", str(data), "--beta", str(BETA),
                "--max_length", str(DPO_MAX_LENGTH), "--truncation_strategy", "right",
                "--per_device_train_batch_size", str(2 * DPO_BATCH)]  # fmt: skip
+    trl = ["--dataset", str(data), "--beta", str(BETA), "--max_length", str(DPO_MAX_LENGTH),
+           "--batch_size", str(2 * DPO_BATCH)]  # fmt: skip
     return {
         "swiftlm": lambda out: swiftlm_common(model, steps, dtype, out) + swiftlm,
         "swiftlm_padded": lambda out: (
             swiftlm_common(model, steps, dtype, out) + swiftlm + ["--padding_free", "false"]
         ),
+        "trl": lambda out: trl_common("kto", model, steps, dtype, out) + trl,
     }
 
 

@@ -8,7 +8,7 @@ check: one DPOTrainer forward + backward on all pairs of FILE as one batch, in t
 with the LoRA adapter weights of --adapter (so the policy differs from its reference, the
 base model with the adapter disabled); writes the loss, the logged rewards, the tokenized
 batch and every adapter gradient to --out (torch.save).
-dpo / grpo: a short DPOTrainer / GRPOTrainer run (no vLLM) with the settings alignment.py
+dpo / kto / grpo: a short DPOTrainer / KTOTrainer / GRPOTrainer run (no vLLM) with the settings alignment.py
 passes. Step times: `StepTimes` writes the line the frameworks benchmark's hook would
 (hooks/sitecustomize.py, at on_step_end) to $BENCH_STEP_LOG; the hook itself is taken out
 here, since it expects every Trainer's inputs to be a dict and GRPOTrainer's are a list.
@@ -31,19 +31,19 @@ from datasets import load_dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer  # noqa: E402
 
 CHECK_LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["check", "dpo", "grpo"])
+    parser.add_argument("command", choices=["check", "dpo", "kto", "grpo"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--pairs", help="check: the preference pairs (TRL layout, jsonl)")
     parser.add_argument("--adapter", help="check: LoRA weights (safetensors, peft names)")
     parser.add_argument("--out", help="check: where to torch.save the results")
-    parser.add_argument("--dataset", help="dpo, grpo: the training rows (jsonl)")
+    parser.add_argument("--dataset", help="dpo, kto, grpo: the training rows (jsonl)")
     parser.add_argument("--output_dir", default="trl-out")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch_size", type=int, default=4)
@@ -194,6 +194,33 @@ def dpo(args: argparse.Namespace) -> None:
     trainer.train()
 
 
+def kto(args: argparse.Namespace) -> None:
+    """KTOTrainer on the DPO pairs unpaired: each pair gives its chosen answer (desirable)
+    then its rejected one (undesirable), the order swiftlm's KTO reads a pair in."""
+    from datasets import Dataset
+
+    rows = []
+    for line in Path(args.dataset).read_text().splitlines():
+        pair = json.loads(line)
+        for side, label in (("chosen", True), ("rejected", False)):
+            rows.append({"prompt": pair["prompt"], "completion": pair[side], "label": label})
+    config = KTOConfig(
+        **common_config(args),
+        dataset_num_proc=1,
+        beta=args.beta,
+        loss_type="kto",
+        max_length=args.max_length,
+    )
+    trainer = KTOTrainer(
+        model=args.model,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        peft_config=lora(args),
+        callbacks=[StepTimes(), MetricsFile()],
+    )
+    trainer.train()
+
+
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -232,7 +259,7 @@ def grpo(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
-    {"check": check, "dpo": dpo, "grpo": grpo}[args.command](args)
+    {"check": check, "dpo": dpo, "kto": kto, "grpo": grpo}[args.command](args)
 
 
 if __name__ == "__main__":
