@@ -1,7 +1,7 @@
 """The generation engines and how they are built: requests in, token deltas (or scores) out.
 
 The core, the continuous-batching engine (`protocol.py`, `continuous.py` and what it runs:
-`scheduler.py`, `kvcache.py`, `prefix_cache.py`, `windows.py`, `speculation.py`,
+`inbox.py` (what callers' threads hand its loop thread), `scheduler.py`, `kvcache.py`, `prefix_cache.py`, `windows.py`, `speculation.py`,
 `sampling.py`, `detokenize.py`, `sequence.py`, and the structured-output grammars of
 `grammar.py`), runs over any transformers causal LM (peft
 adapters included) and knows nothing of files, configs or servers (a contract in

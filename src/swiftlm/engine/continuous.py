@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from swiftlm.engine.inbox import Inbox
 from swiftlm.engine.prefix_cache import PrefixCache
 from swiftlm.engine.protocol import (
     EngineStats,
@@ -76,10 +77,7 @@ class ContinuousEngine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.generated_tokens = 0  # all samples, for throughput reports
-        self._lock = threading.Condition()
-        self._incoming: list[Submitted] = []
-        self._aborted: set[str] = set()
-        self._stopping = False
+        self._inbox = Inbox()  # Submitted requests, aborts, the stop
         self._thread = threading.Thread(target=self._loop, name="swiftlm-engine", daemon=True)
         self._thread.start()
 
@@ -87,16 +85,10 @@ class ContinuousEngine:
 
     def submit(self, request: GenerationRequest, on_delta: Callable[[SampleDelta], None]) -> None:
         self.validate(request)
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the engine is shut down")
-            self._incoming.append(Submitted(request, self._counting(on_delta)))
-            self._lock.notify()
+        self._inbox.put(Submitted(request, self._counting(on_delta)))
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborted.add(request_id)
-            self._lock.notify()
+        self._inbox.abort(request_id)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
         return generate_all(self, requests)
@@ -115,9 +107,8 @@ class ContinuousEngine:
             self.scheduler.prefix_cache.clear()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            waiting = len(self._incoming) + len(self.scheduler.waiting)
-            running = self.scheduler.running_count()
+        waiting = self._inbox.waiting() + len(self.scheduler.waiting)
+        running = self.scheduler.running_count()
         cache = self.scheduler.prefix_cache
         speculated = self.scheduler.speculated
         return EngineStats(
@@ -132,9 +123,7 @@ class ContinuousEngine:
         )
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify()
+        self._inbox.stop()
         self._thread.join()
 
     # -- validation -----------------------------------------------------------------------------
@@ -162,14 +151,7 @@ class ContinuousEngine:
         scheduler = self.scheduler
         with torch.inference_mode() if self.inference_mode else torch.no_grad():
             while True:
-                with self._lock:
-                    while not (
-                        self._incoming or self._aborted or self._stopping or scheduler.has_work()
-                    ):
-                        self._lock.wait()
-                    incoming, self._incoming = self._incoming, []
-                    aborted, self._aborted = self._aborted, set()
-                    stopping = self._stopping
+                incoming, aborted, stopping = self._inbox.take(busy=scheduler.has_work)
                 scheduler.waiting.extend(incoming)
                 if stopping:
                     scheduler.abort_all()

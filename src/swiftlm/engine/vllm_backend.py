@@ -40,6 +40,7 @@ from swiftlm.engine.continuous import (
     generate_all,
     stop_token_ids,
 )
+from swiftlm.engine.inbox import Inbox
 from swiftlm.engine.protocol import (
     EngineStats,
     GenerationRequest,
@@ -140,10 +141,7 @@ class VllmEngine:
         self.prefill_tokens = 0
         self.prefix_hit_tokens = 0
         self._live: dict[str, _Sample] = {}  # vLLM request id -> sample (loop thread only)
-        self._lock = threading.Condition()
-        self._incoming: list[tuple[GenerationRequest, Callable]] = []
-        self._aborted: set[str] = set()
-        self._stopping = False
+        self._inbox = Inbox()  # (request, on_delta) pairs, aborts, the stop
         self._thread = threading.Thread(target=self._loop, name="swiftlm-vllm", daemon=True)
         self._thread.start()
 
@@ -151,24 +149,16 @@ class VllmEngine:
 
     def submit(self, request: GenerationRequest, on_delta: Callable[[SampleDelta], None]) -> None:
         self.validate(request)
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the engine is shut down")
-            self._incoming.append((request, on_delta))
-            self._lock.notify()
+        self._inbox.put((request, on_delta))
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborted.add(request_id)
-            self._lock.notify()
+        self._inbox.abort(request_id)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[SampleResult]]:
         return generate_all(self, requests)
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            waiting = len(self._incoming)
-            running = len(self._live)
+        waiting, running = self._inbox.waiting(), len(self._live)
         return EngineStats(
             running,
             waiting,
@@ -179,9 +169,7 @@ class VllmEngine:
         )
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify()
+        self._inbox.stop()
         self._thread.join()
         self.llm_engine.engine_core.shutdown()
         if self._cleanup is not None:
@@ -240,12 +228,7 @@ class VllmEngine:
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                while not (self._incoming or self._aborted or self._stopping or self._live):
-                    self._lock.wait()
-                incoming, self._incoming = self._incoming, []
-                aborted, self._aborted = self._aborted, set()
-                stopping = self._stopping
+            incoming, aborted, stopping = self._inbox.take(busy=lambda: bool(self._live))
             if stopping:
                 self._abort_live(set(self._live), error=None)
                 return
