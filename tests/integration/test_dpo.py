@@ -9,6 +9,7 @@ import torch
 
 from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
+from swiftlm.data.collate import count_input_tokens
 from tolerance import (
     assert_close,
     assert_same_weights,
@@ -144,51 +145,69 @@ def test_the_loss_of_a_batch_equals_an_independent_computation(tiny_model_dir, t
     assert method.normalizer(method.collate(Layout([[s] for s in samples], False))) == 3
 
 
-@pytest.mark.numerics
-@pytest.mark.parametrize("flags", [{"beta": 0.3, "rpo_alpha": 0.5}, {"rlhf_type": "simpo"}])
-def test_padding_free_pairs_equal_padded_pairs(tiny_model_dir, flags):
-    """Every answer of a micro-batch in one packed row (positions restarting per answer,
-    swiftlm's per-segment attention), two rows of --packing, and one padded row per answer
-    give the same loss, metrics and LoRA gradients: the same sums, in other orders."""
-    from swiftlm.data.collate import count_input_tokens
+def layout_runs(method, model, samples) -> dict:
+    """Per layout of `samples` (padded rows; one packed row; two packed rows), the loss,
+    metrics and LoRA gradients of one micro-batch, and the batch; attention per segment."""
     from swiftlm.methods.base import Layout
-    from swiftlm.methods.preference.dpo import answer_logps
     from swiftlm.models.attention import VARLEN, register_varlen_attention
 
     register_varlen_attention()
-    method, samples, model, *_ = loss_on_three_pairs(tiny_model_dir, flags)
     model.base_model.model.config._attn_implementation = VARLEN
     layouts = {
         "padded": Layout([[s] for s in samples], False),
         "padding_free": Layout([samples], True),
         "packed": Layout([samples[:2], samples[2:]], True),
     }
-    results = {}
+    runs = {}
     for name, layout in layouts.items():
         model.zero_grad()
         batch = method.collate(layout)
         loss, metrics = method.loss(model, batch)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        with torch.no_grad():
-            answers = answer_logps(model, batch)[0]
-        results[name] = (loss.item(), metrics, grads, answers, count_input_tokens(batch))
-    loss, metrics, grads, answers, tokens = results["padded"]
-    size = answers.abs().sum().item()  # what the loss and the metrics are sums of
+        runs[name] = (loss.item(), metrics, grads, batch)
+    return runs
+
+
+def assert_packed_runs_equal_padded(runs: dict, metric_keys, size: float) -> None:
+    """The packed layouts' loss, metrics and gradients within the rounding of the padded
+    one's (`size`: the magnitude of what the loss and metrics sum)."""
+    loss, metrics, grads, batch = runs["padded"]
     terms = forward_terms(tokens=64)
     for name in ("padding_free", "packed"):
-        other_loss, other_metrics, other_grads, other_answers, other_tokens = results[name]
-        assert other_tokens == tokens  # the same real tokens, no padding computed
-        for ours, theirs in zip(other_answers.tolist(), answers.tolist(), strict=True):
-            assert_close(ours, theirs, terms=terms, magnitude=abs(theirs), what="answer log-prob")
+        other_loss, other_metrics, other_grads, other_batch = runs[name]
+        assert count_input_tokens(other_batch) == count_input_tokens(batch)  # no padding
+        assert "attention_mask" not in other_batch
         assert_close(other_loss, loss, terms=terms, magnitude=size, what=f"{name} loss")
-        for key in ("logps/chosen", "logps/rejected", "rewards/margins"):
+        for key in metric_keys:
             assert_close(other_metrics[key], metrics[key], terms=terms, magnitude=size, what=key)
         for ours, theirs in zip(other_grads, grads, strict=True):
             scale = theirs.abs().max().item()
             assert_close(ours, theirs, terms=backward_terms(64), magnitude=scale, what="grad")
-    packed = method.collate(layouts["padding_free"])
-    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
+    assert runs["padding_free"][3]["input_ids"].shape[0] == 1
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("flags", [{"beta": 0.3, "rpo_alpha": 0.5}, {"rlhf_type": "simpo"}])
+def test_padding_free_pairs_equal_padded_pairs(tiny_model_dir, flags):
+    """Every answer of a micro-batch in one packed row (positions restarting per answer,
+    swiftlm's per-segment attention), two rows of --packing, and one padded row per answer
+    give the same per-answer log-probs, loss, metrics and LoRA gradients: the same sums, in
+    other orders."""
+    from swiftlm.methods.preference.dpo import answer_logps
+
+    method, samples, model, *_ = loss_on_three_pairs(tiny_model_dir, flags)
+    runs = layout_runs(method, model, samples)
+    with torch.no_grad():
+        answers = {name: answer_logps(model, run[3])[0].tolist() for name, run in runs.items()}
+    for name in ("padding_free", "packed"):
+        for ours, theirs in zip(answers[name], answers["padded"], strict=True):
+            terms = forward_terms(tokens=64)
+            assert_close(ours, theirs, terms=terms, magnitude=abs(theirs), what="answer log-prob")
+    size = sum(map(abs, answers["padded"]))  # what the loss and the metrics are sums of
+    assert_packed_runs_equal_padded(
+        runs, ("logps/chosen", "logps/rejected", "rewards/margins"), size
+    )
 
 
 class _nothing:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from test_dpo import ROWS as PAIRS
-from test_dpo import _nothing, rlhf
+from test_dpo import _nothing, assert_packed_runs_equal_padded, layout_runs, rlhf
 
 from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
@@ -123,38 +123,12 @@ def test_the_loss_of_a_batch_equals_an_independent_computation(
 def test_padding_free_rows_equal_padded_rows(loss_type, tiny_model_dir):
     """The matched rows in one packed row and the mismatched (KL) rows in another (and two
     rows each under --packing) give the padded rows' loss, metrics and LoRA gradients."""
-    from swiftlm.methods.base import Layout
-    from swiftlm.models.attention import VARLEN, register_varlen_attention
-
-    register_varlen_attention()
     method, samples, model = method_and_model(tiny_model_dir, {"loss_type": loss_type})
-    model.base_model.model.config._attn_implementation = VARLEN
-    layouts = {
-        "padded": Layout([[s] for s in samples], False),
-        "padding_free": Layout([samples], True),
-        "packed": Layout([samples[:2], samples[2:]], True),
-    }
-    results = {}
-    for name, layout in layouts.items():
-        model.zero_grad()
-        loss, metrics = method.loss(model, method.collate(layout))
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        results[name] = (loss.item(), metrics, grads)
-    loss, metrics, grads = results["padded"]
+    runs = layout_runs(method, model, samples)
+    metrics = runs["padded"][1]
     size = abs(metrics["logps/chosen"].item()) + abs(metrics["logps/rejected"].item())
-    terms = forward_terms(tokens=64)
-    for name in ("padding_free", "packed"):
-        other_loss, other_metrics, other_grads = results[name]
-        assert_close(other_loss, loss, terms=terms, magnitude=size, what=f"{name} loss")
-        for key in ("logps/chosen", "logps/rejected", "kl"):
-            assert_close(other_metrics[key], metrics[key], terms=terms, magnitude=size, what=key)
-        for ours, theirs in zip(other_grads, grads, strict=True):
-            scale = theirs.abs().max().item()
-            assert_close(ours, theirs, terms=backward_terms(64), magnitude=scale, what="grad")
-    packed = method.collate(layouts["padding_free"])
-    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
-    assert ("kl_input_ids" in packed) == (loss_type == "kto")
+    assert_packed_runs_equal_padded(runs, ("logps/chosen", "logps/rejected", "kl"), size)
+    assert ("kl_input_ids" in runs["padding_free"][3]) == (loss_type == "kto")
 
 
 @pytest.mark.numerics
