@@ -118,11 +118,11 @@ CHECK_PAIRS = [
 CHECK_LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
-def build_check_model(out: Path) -> None:
-    """A ChatML byte-level BPE tokenizer and a seeded 2-layer Llama, saved to `out`."""
-    import torch
+def chatml_tokenizer(corpus: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on `corpus`, with CHECK_TEMPLATE's ChatML
+    (eos <|im_end|>, pad <|endoftext|>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     bpe = Tokenizer(models.BPE())
@@ -130,13 +130,22 @@ def build_check_model(out: Path) -> None:
     bpe.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=alphabet
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet
     )
-    bpe.train_from_iterator(CHECK_CORPUS * 20, trainer=trainer)
+    bpe.train_from_iterator(corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     tokenizer.chat_template = CHECK_TEMPLATE
+    return tokenizer
+
+
+def build_check_model(out: Path) -> None:
+    """A ChatML byte-level BPE tokenizer and a seeded 2-layer Llama, saved to `out`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = chatml_tokenizer(CHECK_CORPUS * 20, vocab_size=400)
     tokenizer.save_pretrained(out)
     torch.manual_seed(SEED)
     config = LlamaConfig(

@@ -112,24 +112,9 @@ def settings(smoke: bool) -> dict:
 def build_model(folder: Path, shape: dict) -> None:
     """A BPE tokenizer (ChatML) trained on WORDS, and a Qwen2 model of `shape`, random."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator([" ".join(WORDS)] * 50, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.chat_template = alignment.CHECK_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    alignment.chatml_tokenizer([" ".join(WORDS)] * 50, vocab_size=1024).save_pretrained(folder)
     torch.manual_seed(0)
     config = Qwen2Config(
         **shape, max_position_embeddings=8192, pad_token_id=0, eos_token_id=2, bos_token_id=None

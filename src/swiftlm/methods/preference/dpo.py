@@ -368,7 +368,7 @@ def answer_logps(
     owner = batch["answer_ids"][labelled]
     answers = answers or 2 * batch["weight"].numel()
     sums = token_logps.new_zeros(answers).index_add(0, owner, token_logps[labelled])
-    counts = token_logps.new_zeros(answers).index_add(0, owner, torch.ones_like(sums[owner]))
+    counts = token_logps.new_zeros(answers).index_add(0, owner, labelled[labelled].to(token_logps))
     return sums, counts.clamp(min=1)
 
 
