@@ -30,7 +30,10 @@ class Reference:
     def prepare(self, model: torch.nn.Module, log) -> None:
         """Build the reference for `model` (the loaded, tuned policy, not yet wrapped)."""
         if self.path:
-            self.model = load_reference(self.path, model, self.attn_impl)
+            # The policy's attention (a packed layout's varlen kernel), which may differ from
+            # --attn_impl: the reference reads the same rows.
+            attention = getattr(unwrapped(model).config, "_attn_implementation", None)
+            self.model = load_reference(self.path, model, attention or self.attn_impl)
             log(f"{self.method}: reference = --ref_model {self.path} (frozen)")
         elif self.uses_lora:
             log(f"{self.method}: reference = the base model with the adapter disabled (no copy)")

@@ -74,7 +74,8 @@ class TrainArguments:
     )
     padding_free: bool | None = doc(
         "Concatenate each micro-batch into one row without padding (samples stay separate, "
-        "as with --packing). Unset: on where it is faster (CPUs; CUDA with flash-attn), off "
+        "as with --packing); GRPO: a micro-batch's completions in one row, each prompt "
+        "computed once. Unset: on where it is faster (CPUs; CUDA with flash-attn), off "
         "with --packing or --pipeline_parallel_size.",
         default=None,
     )

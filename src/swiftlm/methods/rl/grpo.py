@@ -34,7 +34,7 @@ from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
 from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
-from swiftlm.methods.reference import Reference
+from swiftlm.methods.reference import Reference, unwrapped
 from swiftlm.methods.rl.grpo_rollouts import GenerationBuffer, RolloutParts, Rollouts
 from swiftlm.methods.rl.online import (
     SHARDED,
@@ -43,15 +43,19 @@ from swiftlm.methods.rl.online import (
     prompt_ids,
     sharded_by_fsdp2,
 )
+from swiftlm.methods.rl.packed_completions import packed_token_logps
 from swiftlm.methods.rl.rewards import RewardSet
 from swiftlm.methods.rl.samplers import check_sampler_layout, policy_sampler
 from swiftlm.methods.token import token_pads
+from swiftlm.models.attention import VARLEN
 
 
 class GRPO(PromptBatches):
     name = "grpo"
     columns = ("prompt_ids", "row", "weight")
-    supports_packing = False
+    # --padding_free: a micro-batch's completions are trained in one packed row, each
+    # prompt computed once (methods/rl/packed_completions.py); prompts batch as ever.
+    supports_packing = True
     default_datasets = ("swiftlm/arithmetic",)
     eval_batch_size = 64  # prompts per greedy evaluation call (the engine batches them)
 
@@ -146,6 +150,7 @@ class GRPO(PromptBatches):
             sampler=self.sampler,
             rewards=self.rewards,
             pad_token_id=self.tokenizer.pad_token_id,
+            packing=completion_packing(model, self.cfg.train.padding_free),
             token_logps=self.token_logps,
             completion_mask=self.completion_mask,
             normalizer=self.normalizer,
@@ -229,6 +234,8 @@ class GRPO(PromptBatches):
     def token_logps(self, model, batch: Batch, context=None) -> torch.Tensor:
         """Per position, the log-prob of the next label token under logits / temperature
         (float32, [rows, width], 0 off the labels): what the engine sampled from."""
+        if "score_positions" in batch:
+            return packed_token_logps(model, batch, self.args.temperature, context)
         with context or contextlib.nullcontext():
             logits = model(
                 input_ids=batch["input_ids"],
@@ -240,6 +247,16 @@ class GRPO(PromptBatches):
     @staticmethod
     def pipeline_loss(logits: torch.Tensor, batch: Batch) -> LossOutput:
         raise ConfigError(f"--pipeline_parallel_size: swiftlm rlhf (GRPO): {SHARDED}")
+
+
+def completion_packing(model, padding_free: bool) -> str | None:
+    """How the trainer lays out completions: None (padded rows), "shared" (one packed row,
+    each prompt once: needs swiftlm's varlen attention, which reads forks) or "separate"
+    (one packed row, a segment per completion: flash-attention's varlen kernel)."""
+    if not padding_free:
+        return None
+    attention = getattr(unwrapped(model).config, "_attn_implementation", None)
+    return "shared" if attention == VARLEN else "separate"
 
 
 def truncated_importance_weight(old_logps, engine_logps, args) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 
 from swiftlm.engine.protocol import GenerationRequest
 from swiftlm.losses.rl import group_advantages, reduce_tokens
+from swiftlm.methods.rl.packed_completions import packed_completion_row
 from swiftlm.methods.rl.rollout import completion_rows, rollout_seed, sampling_params
 
 
@@ -54,7 +55,8 @@ class RolloutParts:
     args: the grpo section; loss_type: --loss_type (how tokens are averaged); seed: the
     run's seed; run_dir: where completions.jsonl goes. sampler: the engine over the live
     policy (`rollout.PolicySampler`); rewards: the run's `RewardSet`; pad_token_id: the
-    tokenizer's. token_logps(model, batch): the trainer's log-prob of each sampled token;
+    tokenizer's; packing: the trainer's forward layout (`grpo.completion_packing`: None,
+    "shared" or "separate"). token_logps(model, batch): the trainer's log-prob of each sampled token;
     completion_mask(batch): 1.0 on those tokens; normalizer(batch): the batch's share of the
     step's units (tokens or sequences, as the loss type counts them).
     """
@@ -66,6 +68,7 @@ class RolloutParts:
     sampler: object
     rewards: object
     pad_token_id: int
+    packing: str | None
     token_logps: Callable
     completion_mask: Callable
     normalizer: Callable
@@ -180,12 +183,18 @@ class Rollouts:
     def _micro_batch(self, prompts, results, advantages) -> dict:
         prompt_ids = [p["prompt_ids"] for p in prompts for _ in range(self.args.num_generations)]
         samples = [s for group in results for s in group]
+        completions = [list(s.token_ids) for s in samples]
         batch = completion_rows(
             prompt_ids,
-            [list(s.token_ids) for s in samples],
+            completions,
             [[lp.logprob for lp in s.logprobs] for s in samples],
             self.parts.pad_token_id,
         )
+        if self.parts.packing:  # the forward reads one packed row; the loss the padded layout
+            width = batch.pop("input_ids").shape[1]
+            del batch["attention_mask"]
+            share = self.parts.packing == "shared"
+            batch.update(packed_completion_row(prompt_ids, completions, width, share))
         batch["advantages"] = advantages.reshape(-1)
         weights = [p["weight"] for p in prompts for _ in range(self.args.num_generations)]
         batch["weight"] = torch.tensor(weights, dtype=torch.float32)

@@ -40,7 +40,6 @@ def check_online_layout(cfg, method: str, lockstep: bool = False) -> None:
             SHARDED,
         ),
         "--packing": (t.packing, "a micro-batch is sampled completions; drop the flag"),
-        "--padding_free": (t.padding_free, "a micro-batch is sampled completions; drop the flag"),
         "--max_tokens_per_batch": (t.max_tokens_per_batch > 0, "drop the flag"),
         "--torch_compile": (t.torch_compile, "the sampled shapes change every step; drop it"),
     }
@@ -71,8 +70,8 @@ class PromptBatches(MethodDefaults):
     @staticmethod
     def collate(layout: Layout) -> Batch:
         """A prompt micro-batch: the encoded samples themselves (the method samples from them
-        and makes the tensors in `step_batches`)."""
-        return {"prompts": [row[0] for row in layout.rows]}
+        and makes the tensors in `step_batches`); a packed layout's one row holds them all."""
+        return {"prompts": [sample for row in layout.rows for sample in row]}
 
 
 def prompt_ids(tokenizer, prompt: list[dict], budget: int, strategy: str, report) -> list | None:
