@@ -6,13 +6,21 @@ import json
 import math
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
-from tolerance import assert_close, assert_same_weights, assert_trained_weights_close, forward_terms
+from swiftlm.losses.causal_lm import token_cross_entropy
+from tolerance import (
+    assert_close,
+    assert_same_weights,
+    assert_trained_weights_close,
+    backward_terms,
+    forward_terms,
+)
 from warm_launch import torchrun_script
 
 ROWS = [{"prompt": f"What is {i} plus {i + 1}?", "solution": str(2 * i + 1)} for i in range(16)]
@@ -78,10 +86,8 @@ def short_reward(tmp_path):
 def test_the_engine_and_the_trainer_agree_on_the_sampled_tokens(tiny_model_dir, temperature):
     """The engine's log-probs (logprobs_mode scaled) of the tokens it sampled equal the
     trainer's forward log-probs of the same tokens under logits / temperature (fp32)."""
-    from types import SimpleNamespace
-
     from swiftlm.engine.protocol import GenerationRequest
-    from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
+    from swiftlm.losses.causal_lm import shifted_labels
     from swiftlm.methods.rl.rollout import PolicySampler, completion_rows, sampling_params
     from swiftlm.models.loader import load_model, load_tokenizer
 
@@ -118,6 +124,145 @@ def test_the_engine_and_the_trainer_agree_on_the_sampled_tokens(tiny_model_dir, 
     # Not trivially equal: log-probs at temperature 1 and 0.7 differ.
     other = -token_cross_entropy(logits / (1.7 - temperature), batch["labels"])
     assert float((other - batch["engine_logps"]).abs()[mask].mean()) > 1e-2
+
+
+def _completion_layouts(model, tokenizer, samples, prompts) -> dict:
+    """Per layout of the same sampled completions (padded rows; one packed row, each prompt
+    once; one packed row, a segment per completion): GRPO's loss (beta 0.04 to the base
+    model with the adapter off), the log-probs, the LoRA gradients and the batch."""
+    from swiftlm.losses.rl import clipped_surrogate, k3_kl, reduce_tokens
+    from swiftlm.methods.rl.packed_completions import packed_completion_row, packed_token_logps
+    from swiftlm.methods.rl.rollout import completion_rows
+
+    completions = [list(s.token_ids) for s in samples]
+    padded = completion_rows(prompts, completions, [[0.0] * len(c) for c in completions], 0)
+    mask = (padded["labels"][:, 1:] != -100).float()
+    mask = torch.nn.functional.pad(mask, (0, 1))
+    advantages = torch.linspace(-1, 1, len(samples))
+    width = padded["input_ids"].shape[1]
+    layouts = {"padded": padded}
+    for name, share in (("shared", True), ("separate", False)):
+        rest = {k: v for k, v in padded.items() if k not in ("input_ids", "attention_mask")}
+        layouts[name] = {**rest, **packed_completion_row(prompts, completions, width, share)}
+
+    def logps(module, batch):
+        if "score_positions" in batch:
+            return packed_token_logps(module, batch, 0.7)
+        logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return -token_cross_entropy(logits.logits / 0.7, batch["labels"])
+
+    runs = {}
+    for name, batch in layouts.items():
+        model.zero_grad()
+        policy = logps(model, batch)
+        with torch.no_grad(), model.disable_adapter():
+            reference = logps(model, batch)
+        losses, _ = clipped_surrogate(
+            policy, policy.detach(), advantages, mask, epsilon_low=0.2, epsilon_high=0.2
+        )
+        loss = reduce_tokens(losses + 0.04 * k3_kl(policy, reference), mask, "grpo")
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        runs[name] = (loss.item(), policy.detach(), grads, batch)
+    return runs
+
+
+@pytest.mark.numerics
+def test_padding_free_completions_equal_padded_rows(tiny_model_dir):
+    """A micro-batch's completions in one packed row (each prompt computed once, its other
+    completions forks of it; or a segment per completion) give the padded rows' per-token
+    log-probs, GRPO loss and LoRA gradients: the same sums in other orders. Without the
+    varlen attention's forks the shared layout's completions lose their prompt and fail."""
+    from peft import LoraConfig, get_peft_model
+
+    from swiftlm.engine.protocol import GenerationRequest
+    from swiftlm.methods.rl.rollout import PolicySampler, sampling_params
+    from swiftlm.models.attention import VARLEN, register_varlen_attention
+    from swiftlm.models.loader import load_model, load_tokenizer
+
+    register_varlen_attention()
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    base = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"), VARLEN)
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = get_peft_model(base, lora)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # an adapter that changes the policy (B starts at 0)
+            torch.nn.init.normal_(param, std=0.2)
+    ids = [tokenizer(f"question {i} " * (2 * i + 1))["input_ids"] for i in range(2)]
+    args = SimpleNamespace(max_completion_length=10, temperature=0.7, top_p=1.0)
+    sampler = PolicySampler(tokenizer, 128)
+    try:
+        requests = [
+            GenerationRequest(p, sampling_params(args, 3, seed=i)) for i, p in enumerate(ids)
+        ]
+        results = sampler.generate(model, requests)
+    finally:
+        sampler.close()
+    samples = [s for group in results for s in group]
+    prompts = [p for p in ids for _ in range(3)]
+    model.train()
+    runs = _completion_layouts(model, tokenizer, samples, prompts)
+    loss, logps, grads, padded = runs["padded"]
+    completion_tokens = sum(len(s.token_ids) for s in samples)
+    assert int((logps != 0).sum()) == completion_tokens > 12
+    size = float(logps.abs().max()) + 1
+    terms = forward_terms(padded["input_ids"].shape[1])
+    for name in ("shared", "separate"):
+        other_loss, other_logps, other_grads, batch = runs[name]
+        assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
+        assert_close(other_logps, logps, terms=terms, magnitude=size, what=f"{name} log-probs")
+        assert_close(other_loss, loss, terms=terms, magnitude=size, what=f"{name} loss")
+        for ours, theirs in zip(other_grads, grads, strict=True):
+            scale = theirs.abs().max().item()
+            assert_close(ours, theirs, terms=backward_terms(64), magnitude=scale, what="grad")
+    prompt_tokens = sum(len(p) for p in ids)
+    assert runs["shared"][3]["input_ids"].shape[1] == prompt_tokens + completion_tokens
+    assert runs["separate"][3]["input_ids"].shape[1] == 3 * prompt_tokens + completion_tokens
+
+
+@pytest.mark.numerics
+def test_sampling_on_merged_weights_equals_the_adapter_and_restores_the_base(tiny_model_dir):
+    """Within merged_adapter_weights the adapter layers are off and each adapted Linear holds
+    W + scale x B @ A: the logits equal the adapter's within rounding; afterwards every base
+    weight is the very tensor it was, its values unchanged (no drift), the adapter on again.
+    A DoRA adapter is left as it is."""
+    from peft import LoraConfig, get_peft_model
+
+    from swiftlm.methods.rl.merged_sampling import merged_adapter_weights
+    from swiftlm.models.loader import load_model
+
+    def policy(**lora):
+        base = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"), "sdpa")
+        torch.manual_seed(0)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora)
+        model = get_peft_model(base, config).eval()
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.2)
+        return model
+
+    model = policy()
+    ids = torch.tensor([[5, 9, 13, 2, 7, 11, 3]])
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters() if "base_layer" in n}
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with merged_adapter_weights(model):
+            layer = model.base_model.model.model.layers[0].self_attn.q_proj
+            assert layer.disable_adapters
+            merged = model(input_ids=ids).logits
+            assert not any(layer.get_base_layer().weight is p for p, _ in before.values())
+        after = dict(model.named_parameters())
+    assert not model.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters
+    for name, (param, values) in before.items():
+        assert after[name] is param and torch.equal(param, values), name
+    size = float(adapted.abs().max())
+    assert_close(merged, adapted, terms=forward_terms(7), magnitude=size, what="merged logits")
+    dora = policy(use_dora=True)
+    weight = dora.base_model.model.model.layers[0].self_attn.q_proj.get_base_layer().weight
+    with merged_adapter_weights(dora):
+        layer = dora.base_model.model.model.layers[0].self_attn.q_proj
+        assert layer.get_base_layer().weight is weight and not layer.disable_adapters
 
 
 def test_a_run_logs_rewards_and_writes_completions(tiny_model_dir, prompts, short_reward, tmp_path):

@@ -4,7 +4,7 @@
 copy of the weights, no reload per step. Between optimizer steps the loop thread hands the
 engine its requests and waits; the engine's thread runs the forward passes under
 inference mode (no autograd) with the KV cache, and the trainer then trains on the result.
-With LoRA the engine samples through the active adapter: the current policy.
+With LoRA the engine samples the current policy on merged weights (merged_sampling.py).
 
 `completion_rows` lays out prompt + completion per row, right-padded, with labels on the
 completion tokens only (the stop token included, so the policy learns to stop), and puts
@@ -18,6 +18,7 @@ has no advantages to train on, and silently dropping it would bias the step.
 
 import dataclasses
 import zlib
+from contextlib import nullcontext
 
 import torch
 
@@ -32,6 +33,7 @@ from swiftlm.engine.protocol import (
 )
 from swiftlm.errors import SwiftLMError
 from swiftlm.methods.reference import unwrapped
+from swiftlm.methods.rl.merged_sampling import merged_adapter_weights
 
 MAX_ENGINE_SEQUENCES = 64  # rows decoded together at most
 LOCKSTEP_SEQUENCES = 4096  # lockstep: every request of a call in one group
@@ -70,9 +72,12 @@ class PolicySampler:
         engine = self._engine(policy)
         if self.lockstep:
             requests = [_ignoring_eos(request) for request in requests]
+        # FSDP2's sharded weights cannot be merged per rank: lockstep samples through the adapter.
+        merged = nullcontext() if self.lockstep else merged_adapter_weights(policy)
         try:
             policy.eval()
-            results = engine.generate(requests)
+            with merged:
+                results = engine.generate(requests)
         except GenerationFailed as exc:
             raise rollout_failed(self.tokenizer, requests, exc) from exc
         finally:
