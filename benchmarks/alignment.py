@@ -31,7 +31,7 @@
    steps 3..N is reported as the median step time, and the ratio TRL / swiftlm (> 1: swiftlm
    faster) is the median of the per-round ratios.
    DPO data: swiftlm/concise-preference in TRL's conversational layout, one file for both.
-   DPO and KTO also run swiftlm with `--padding_free false` (`swiftlm_padded`): the speed-up
+   DPO, KTO and GRPO also run swiftlm with `--padding_free false` (`swiftlm_padded`): the speed-up
    of padding-free answers. KTO reads the same pairs, each a desirable then an undesirable
    answer (TRL's rows unpaired by alignment_trl.py), loss `kto`, 8 answers per step.
    GRPO data: arithmetic questions with a `solution`; reward: the completion's last number
@@ -387,6 +387,10 @@ def grpo_commands(
     trl = ["--dataset", str(data["trl"]), "--batch_size", str(batch), *sampling]
     return {
         "swiftlm": lambda out: swiftlm_common(model, steps, dtype, out) + swiftlm,
+        # padded completion rows, as every GRPO step ran before padding-free ones
+        "swiftlm_padded": lambda out: (
+            swiftlm_common(model, steps, dtype, out) + swiftlm + ["--padding_free", "false"]
+        ),
         "trl": lambda out: trl_common("grpo", model, steps, dtype, out) + trl,
     }
 

@@ -2,7 +2,7 @@
 
 A LoRA layer's forward is the base product plus four more (A, B, the scaling and the sum),
 and a decode step of a small batch is bound by the number of operators, not their size:
-sampling through the adapter cost 1.2x sampling on merged weights (SmolLM2-135M, 8 rows,
+sampling through the adapter cost 1.12x sampling on merged weights (SmolLM2-135M, 8 rows,
 2 CPU cores). So for a generation each adapted Linear gets W + scale x B @ A as its weight
 and the adapters are switched off; afterwards the original weight tensors go back. They are
 never written (a merge and unmerge in place would round W a little at every step, so the
