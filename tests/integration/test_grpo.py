@@ -13,7 +13,7 @@ import torch
 
 from conftest import logged, write_jsonl
 from swiftlm.cli.main import main
-from swiftlm.losses.causal_lm import token_cross_entropy
+from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from tolerance import (
     assert_close,
     assert_same_weights,
@@ -87,7 +87,6 @@ def test_the_engine_and_the_trainer_agree_on_the_sampled_tokens(tiny_model_dir, 
     """The engine's log-probs (logprobs_mode scaled) of the tokens it sampled equal the
     trainer's forward log-probs of the same tokens under logits / temperature (fp32)."""
     from swiftlm.engine.protocol import GenerationRequest
-    from swiftlm.losses.causal_lm import shifted_labels
     from swiftlm.methods.rl.rollout import PolicySampler, completion_rows, sampling_params
     from swiftlm.models.loader import load_model, load_tokenizer
 
@@ -126,7 +125,7 @@ def test_the_engine_and_the_trainer_agree_on_the_sampled_tokens(tiny_model_dir, 
     assert float((other - batch["engine_logps"]).abs()[mask].mean()) > 1e-2
 
 
-def _completion_layouts(model, tokenizer, samples, prompts) -> dict:
+def _completion_layouts(model, samples, prompts) -> dict:
     """Per layout of the same sampled completions (padded rows; one packed row, each prompt
     once; one packed row, a segment per completion): GRPO's loss (beta 0.04 to the base
     model with the adapter off), the log-probs, the LoRA gradients and the batch."""
@@ -136,8 +135,7 @@ def _completion_layouts(model, tokenizer, samples, prompts) -> dict:
 
     completions = [list(s.token_ids) for s in samples]
     padded = completion_rows(prompts, completions, [[0.0] * len(c) for c in completions], 0)
-    mask = (padded["labels"][:, 1:] != -100).float()
-    mask = torch.nn.functional.pad(mask, (0, 1))
+    mask = (shifted_labels(padded["labels"]) != -100).float()
     advantages = torch.linspace(-1, 1, len(samples))
     width = padded["input_ids"].shape[1]
     layouts = {"padded": padded}
@@ -202,7 +200,7 @@ def test_padding_free_completions_equal_padded_rows(tiny_model_dir):
     samples = [s for group in results for s in group]
     prompts = [p for p in ids for _ in range(3)]
     model.train()
-    runs = _completion_layouts(model, tokenizer, samples, prompts)
+    runs = _completion_layouts(model, samples, prompts)
     loss, logps, grads, padded = runs["padded"]
     completion_tokens = sum(len(s.token_ids) for s in samples)
     assert int((logps != 0).sum()) == completion_tokens > 12

@@ -32,8 +32,8 @@ class Reference:
         if self.path:
             # The policy's attention (a packed layout's varlen kernel), which may differ from
             # --attn_impl: the reference reads the same rows.
-            attention = getattr(unwrapped(model).config, "_attn_implementation", None)
-            self.model = load_reference(self.path, model, attention or self.attn_impl)
+            attention = attention_of(model) or self.attn_impl
+            self.model = load_reference(self.path, model, attention)
             log(f"{self.method}: reference = --ref_model {self.path} (frozen)")
         elif self.uses_lora:
             log(f"{self.method}: reference = the base model with the adapter disabled (no copy)")
@@ -58,6 +58,11 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
+
+
+def attention_of(model: torch.nn.Module) -> str | None:
+    """The attention implementation a (possibly wrapped) model runs with."""
+    return getattr(unwrapped(model).config, "_attn_implementation", None)
 
 
 def load_reference(path: str, policy: torch.nn.Module, attn_impl: str) -> torch.nn.Module:

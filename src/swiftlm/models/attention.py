@@ -42,13 +42,13 @@ def segment_prefixes(
     position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]]
 ) -> list[list[tuple[int, int]]]:
     """Per row and segment, (root start, shared length): the root tokens a fork attends to
-    before itself ((0, 0) for a segment of its own; see the module docstring)."""
-    firsts = position_ids.cpu()
+    before itself ((0, 0) for a segment of its own; see the module docstring). `position_ids`
+    on the host."""
     prefixes = []
     for b, row_bounds in enumerate(bounds):
         root, row = None, []
         for start, end in row_bounds:
-            first = int(firsts[b, start])
+            first = int(position_ids[b, start])
             if first == 0:
                 root = (start, end)
             shares = first > 0 and root is not None and root[1] - root[0] >= first
@@ -83,10 +83,11 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
 
     position_ids = kwargs.pop("position_ids", None)
     packed = position_ids is not None and query.shape[2] == key.shape[2] and query.shape[2] > 1
-    bounds = segment_bounds(position_ids) if packed else None
+    host = position_ids.cpu() if packed else None  # one device sync per layer
+    bounds = segment_bounds(host) if packed else None
     if bounds is None or all(len(row) == 1 for row in bounds):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    prefixes = segment_prefixes(position_ids, bounds)
+    prefixes = segment_prefixes(host, bounds)
     rows = []
     for b, (row_bounds, row_prefixes) in enumerate(zip(bounds, prefixes, strict=True)):
         q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]

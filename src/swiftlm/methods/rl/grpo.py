@@ -34,7 +34,7 @@ from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
 from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
-from swiftlm.methods.reference import Reference, unwrapped
+from swiftlm.methods.reference import Reference, attention_of
 from swiftlm.methods.rl.grpo_rollouts import GenerationBuffer, RolloutParts, Rollouts
 from swiftlm.methods.rl.online import (
     SHARDED,
@@ -255,8 +255,7 @@ def completion_packing(model, padding_free: bool) -> str | None:
     (one packed row, a segment per completion: flash-attention's varlen kernel)."""
     if not padding_free:
         return None
-    attention = getattr(unwrapped(model).config, "_attn_implementation", None)
-    return "shared" if attention == VARLEN else "separate"
+    return "shared" if attention_of(model) == VARLEN else "separate"
 
 
 def truncated_importance_weight(old_logps, engine_logps, args) -> torch.Tensor:

@@ -56,9 +56,9 @@ class RolloutParts:
     run's seed; run_dir: where completions.jsonl goes. sampler: the engine over the live
     policy (`rollout.PolicySampler`); rewards: the run's `RewardSet`; pad_token_id: the
     tokenizer's; packing: the trainer's forward layout (`grpo.completion_packing`: None,
-    "shared" or "separate"). token_logps(model, batch): the trainer's log-prob of each sampled token;
-    completion_mask(batch): 1.0 on those tokens; normalizer(batch): the batch's share of the
-    step's units (tokens or sequences, as the loss type counts them).
+    "shared" or "separate"). token_logps(model, batch): the trainer's log-prob of each
+    sampled token; completion_mask(batch): 1.0 on those tokens; normalizer(batch): the
+    batch's share of the step's units (tokens or sequences, as the loss type counts them).
     """
 
     args: object

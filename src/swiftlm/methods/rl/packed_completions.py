@@ -31,10 +31,10 @@ def packed_completion_row(
     prompts: list[list[int]], completions: list[list[int]], width: int, share_prompt: bool
 ) -> dict[str, torch.Tensor]:
     """The packed forward of completions whose padded layout is [rows, width] (row i =
-    prompts[i] + completions[i]; consecutive rows with the same prompt object or ids share
-    it when `share_prompt`; an empty completion is left out): input_ids, position_ids and token_mask [1, T]; per completion
-    token, the packed position whose logits predict it, the token, and its flat index in the
-    padded layout (row * width + shifted column)."""
+    prompts[i] + completions[i]; consecutive rows with the same prompt ids share it when
+    `share_prompt`; an empty completion is left out): input_ids, position_ids and token_mask
+    [1, T]; per completion token, the packed position whose logits predict it, the token,
+    and its flat index in the padded layout (row * width + shifted column)."""
     ids: list[int] = []
     positions: list[int] = []
     scored: dict[str, list[int]] = {name: [] for name in SCORED}
@@ -51,8 +51,7 @@ def packed_completion_row(
         ids += completion
         positions += range(len(prompt), len(prompt) + len(completion))
         # Token j is predicted by the one before it: the prompt's last, then c[j - 1].
-        predictors = [last_prompt_end] + list(range(start, start + len(completion) - 1))
-        scored["score_positions"] += predictors[: len(completion)]
+        scored["score_positions"] += [last_prompt_end, *range(start, len(ids) - 1)]
         scored["score_tokens"] += completion
         first = row * width + len(prompt) - 1
         scored["score_slots"] += range(first, first + len(completion))
