@@ -143,8 +143,8 @@ def test_an_ms_swift_value_swiftlm_cannot_honour(argv, message):
 
 def test_an_unsupported_yaml_key_names_the_file(tmp_path):
     recipe = tmp_path / "ms.yaml"
-    recipe.write_text("model: m\ndataset: [d.jsonl]\nuse_liger_kernel: true\n")
-    with pytest.raises(ConfigError, match=r"ms\.yaml: --use_liger_kernel is an ms-swift flag"):
+    recipe.write_text("model: m\ndataset: [d.jsonl]\nneftune_noise_alpha: 5\n")
+    with pytest.raises(ConfigError, match=r"ms\.yaml: --neftune_noise_alpha is an ms-swift flag"):
         parse([str(recipe)])
 
 

@@ -180,8 +180,6 @@ UNSUPPORTED = {
     "aligner_lr": "the aligner trains at --learning_rate (or stays frozen: --freeze_aligner)",
     "trainable_parameters": "train all with --train_type full and freeze with --freeze_parameters",
     "freeze_parameters_ratio": "give prefixes with --freeze_parameters",
-    "use_liger_kernel": "--fused_cross_entropy true is the chunked lm_head + loss, Liger's "
-    "largest memory saving",
     "warmup_steps": "give the warmup as a share of the steps with --warmup_ratio",
     "router_aux_loss_coef": "MoE auxiliary losses are the model's own",
     "enable_dft_loss": "not available",

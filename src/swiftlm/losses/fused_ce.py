@@ -30,6 +30,7 @@ from swiftlm.losses.chunked_ce import linear_cross_entropy_per_token, linear_cro
 _MARKER = "_swiftlm_fused_ce"
 _PENDING = "_swiftlm_pending"  # (shifted targets, reduction) for the next head call
 _FUSED_LOSS = "_swiftlm_fused_loss"
+_LIGER = "_swiftlm_liger"  # True: Liger's fused linear cross-entropy (--use_liger_kernel)
 
 # Config fields of models that change the logits after the lm_head (Gemma 2/3 soft-capping,
 # Cohere's logit_scale, Granite's logits_scaling), with the values that leave them unchanged.
@@ -55,8 +56,16 @@ def _fused_lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> torc
         return nn.Linear.forward(self, hidden_states)
     setattr(self, _PENDING, None)
     targets, reduction = pending
-    loss_fn = linear_cross_entropy_per_token if reduction == "token" else linear_cross_entropy_sum
-    loss = loss_fn(hidden_states, self.weight, targets, self.bias)
+    if getattr(self, _LIGER):
+        from swiftlm.models.liger import liger_cross_entropy
+
+        per_token = reduction == "token"
+        loss = liger_cross_entropy(hidden_states, self.weight, targets, self.bias, per_token)
+    else:
+        loss_fn = (
+            linear_cross_entropy_per_token if reduction == "token" else linear_cross_entropy_sum
+        )
+        loss = loss_fn(hidden_states, self.weight, targets, self.bias)
     # Kept so the loss function can check that the model returned it unchanged.
     setattr(self, _FUSED_LOSS, loss)
     return loss
@@ -82,8 +91,9 @@ def _transforms_logits(model) -> bool:
     )
 
 
-def install_fused_lm_head(model) -> bool:
-    """Make the model's output Linear compute the fused loss when `fused_causal_lm_loss` asks.
+def install_fused_lm_head(model, liger: bool = False) -> bool:
+    """Make the model's output Linear compute the fused loss when `fused_causal_lm_loss` asks
+    (swiftlm's chunked one, or with `liger` Liger's fused linear cross-entropy).
 
     Call it on the model (plain or peft) before DDP / FSDP2 / DeepSpeed wrap it. Returns False
     and leaves the model untouched when there is nothing it can fuse: no output embeddings,
@@ -100,6 +110,7 @@ def install_fused_lm_head(model) -> bool:
         setattr(head, _PENDING, None)
         setattr(head, _FUSED_LOSS, None)
         setattr(head, _MARKER, True)
+    setattr(head, _LIGER, liger)
     return True
 
 
@@ -108,7 +119,7 @@ def uninstall_fused_lm_head(model) -> bool:
     head = find_fused_lm_head(model)
     if head is None:
         return False
-    for name in ("forward", _PENDING, _FUSED_LOSS, _MARKER):
+    for name in ("forward", _PENDING, _FUSED_LOSS, _MARKER, _LIGER):
         delattr(head, name)
     return True
 

@@ -28,7 +28,12 @@ class PT(NextTokenObjective):
     default_datasets = ()  # --dataset is required
 
     def __init__(self, cfg: TrainConfig, tokenizer):
-        super().__init__(tokenizer, cfg.train.fused_cross_entropy, cfg.plugins.loss_type)
+        super().__init__(
+            tokenizer,
+            cfg.train.fused_cross_entropy,
+            cfg.plugins.loss_type,
+            cfg.train.use_liger_kernel,
+        )
         self.max_length, self.row_format = cfg.data.max_length, cfg.plugins.dataset_format
 
     def to_sample(self, record: dict) -> dict:

@@ -26,7 +26,9 @@ class SFT(NextTokenObjective):
     def __init__(self, cfg: TrainConfig, tokenizer, vision: VisionInputs | None = None):
         # A plugin's rlhf method may build on SFT: rlhf's plugins section has neither flag.
         loss_type = getattr(cfg.plugins, "loss_type", None)
-        super().__init__(tokenizer, cfg.train.fused_cross_entropy, loss_type)
+        super().__init__(
+            tokenizer, cfg.train.fused_cross_entropy, loss_type, cfg.train.use_liger_kernel
+        )
         self.data, self.row_format = cfg.data, getattr(cfg.plugins, "dataset_format", None)
         self.placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
         # A vision-language model: rows may hold images, samples carry their features.

@@ -42,7 +42,13 @@ class NextTokenObjective(MethodDefaults):
     columns = ("input_ids", "labels")
     supports_packing = True
 
-    def __init__(self, tokenizer, fused_cross_entropy: bool, loss_type: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        fused_cross_entropy: bool,
+        loss_type: str | None = None,
+        liger: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.token_pads = token_pads(tokenizer.pad_token_id)
         if loss_type is not None and loss_type not in TOKEN_LOSSES:
@@ -54,6 +60,7 @@ class NextTokenObjective(MethodDefaults):
         # A plugin's loss reads the logits: the fused head, which never makes them, is off.
         self.loss_type = loss_type
         self.wants_fused, self.fused = fused_cross_entropy and loss_type is None, False
+        self.liger = liger  # --use_liger_kernel: the fused loss is Liger's
 
     length = staticmethod(token_lengths)
     masked = staticmethod(without_labels)
@@ -73,7 +80,7 @@ class NextTokenObjective(MethodDefaults):
         """Install the fused head on the model (before any wrapper) when asked and possible."""
         if not self.wants_fused:
             return
-        self.fused = install_fused_lm_head(model)
+        self.fused = install_fused_lm_head(model, liger=self.liger)
         if not self.fused:
             log(
                 "--fused_cross_entropy: the output layer is not a plain Linear; using the plain loss"

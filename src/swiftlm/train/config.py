@@ -90,6 +90,11 @@ class TrainArguments:
         "[tokens, vocab] logits are never held in memory.",
         default=True,
     )
+    use_liger_kernel: bool = doc(
+        "CUDA only: run RMSNorm, RoPE, SwiGLU and the fused LM-head loss as Liger's Triton "
+        "kernels (pip install 'swiftlm[liger]').",
+        default=False,
+    )
     torch_compile: bool = doc(
         "Compile each decoder layer with torch.compile (slow first steps, faster after).",
         default=False,
