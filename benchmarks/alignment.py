@@ -1,7 +1,7 @@
 """swiftlm vs TRL on alignment: DPO numerics on one batch, then DPO, KTO and GRPO step times.
 
     .venv/bin/python benchmarks/alignment.py [--only dpo|kto|grpo|all] [--steps 8] [--repeats 2]
-        [--dtype fp32|bf16] [--model DIR] [--skip-check | --check-only]
+        [--dtype fp32|bf16] [--model DIR] [--skip-check | --check-only] [--compiled]
 
 1. Environment. TRL runs in its own venv, the frameworks benchmark's `.venvs/trl` (TRL 1.16,
    transformers and peft as swiftlm's, torch 2.13.0 CPU build), made on first use by
@@ -34,6 +34,9 @@
    DPO, KTO and GRPO also run swiftlm with `--padding_free false` (`swiftlm_padded`): the speed-up
    of padding-free answers. KTO reads the same pairs, each a desirable then an undesirable
    answer (TRL's rows unpaired by alignment_trl.py), loss `kto`, 8 answers per step.
+   `--compiled` adds DPO and KTO runs with `--torch_compile true` (`swiftlm_compiled`: each
+   decoder layer compiled by inductor); the table's wall column is the whole process, so the
+   compilation in the first steps is counted there (the median step leaves it out).
    GRPO data: arithmetic questions with a `solution`; reward: the completion's last number
    equals it (swiftlm's built-in `accuracy`, the same rule in alignment_trl.py); loss `grpo`
    (swiftlm's default; TRL's is `dapo`), the same KL beta, no vLLM. The table also shows each
@@ -342,6 +345,14 @@ def trl_common(part: str, model: str, steps: int, dtype: str, out: Path) -> list
     ]  # fmt: skip
 
 
+def with_compiled(commands: dict, compiled: bool) -> dict:
+    """`commands`, plus swiftlm's default with every decoder layer compiled (`--compiled`)."""
+    if compiled:
+        default = commands["swiftlm"]
+        commands["swiftlm_compiled"] = lambda out: default(out) + ["--torch_compile", "true"]
+    return commands
+
+
 def dpo_commands(model: str, data: Path, steps: int, dtype: str) -> dict:
     swiftlm = ["--rlhf_type", "dpo", "--dataset", str(data), "--beta", str(BETA),
                "--loss_type", "sigmoid", "--max_length", str(DPO_MAX_LENGTH),
@@ -467,19 +478,22 @@ def describe(result: dict) -> str:
 def speed_table(part: str, runs: dict, note: str) -> str:
     """Markdown: per tool the median over rounds; the median of the per-round TRL/swiftlm ratios."""
     lines = [f"### {part}: {note}", "",
-             "| | median step (s) | runs ok | peak RSS (GiB) | mean completion tokens |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             "| | median step (s) | process wall (s) | runs ok | peak RSS (GiB) | mean completion tokens |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for tool, results in runs.items():
         ok = [r for r in results if "error" not in r]
         if not ok:
             errors = "; ".join(r["error"] for r in results)
-            lines.append(f"| {tool} | failed: {errors[:200]} | 0/{len(results)} | | |")
+            lines.append(f"| {tool} | failed: {errors[:200]} | | 0/{len(results)} | | |")
             continue
         step = statistics.median(r["median_step_s"] for r in ok)
+        wall = statistics.median(r["wall_s"] for r in ok)
         rss = statistics.median(r["peak_rss_gib"] for r in ok)
         lengths = [r["completion_length"] for r in ok if "completion_length" in r]
         length = f"{statistics.mean(lengths):.1f}" if lengths else "-"
-        lines.append(f"| {tool} | {step:.2f} | {len(ok)}/{len(results)} | {rss:.2f} | {length} |")
+        lines.append(
+            f"| {tool} | {step:.2f} | {wall:.0f} | {len(ok)}/{len(results)} | {rss:.2f} | {length} |"
+        )
     for tool in (name for name in runs if name != "trl"):
         ratios = [
             t["median_step_s"] / s["median_step_s"]
@@ -490,7 +504,7 @@ def speed_table(part: str, runs: dict, note: str) -> str:
             per_round = ", ".join(f"{r:.2f}" for r in ratios)
             lines.append(
                 f"| TRL / {tool} step time (speed-up) | {statistics.median(ratios):.2f}x "
-                f"(rounds: {per_round}) | | | |"
+                f"(rounds: {per_round}) | | | | |"
             )
     return "\n".join(lines)
 
@@ -518,6 +532,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     parser.add_argument("--grpo_batch", type=int, default=GRPO_BATCH, help="completions per step")
     parser.add_argument("--grpo_generations", type=int, default=GRPO_GENERATIONS)
+    parser.add_argument("--compiled", action="store_true",
+                        help="DPO and KTO: also run swiftlm with --torch_compile true")  # fmt: skip
     return parser.parse_args()
 
 
@@ -541,11 +557,13 @@ def main() -> int:
     tables, raw = [], {}
     if args.only in ("dpo", "all"):
         commands = dpo_commands(model, dpo_data(root), args.steps, args.dtype)
+        commands = with_compiled(commands, args.compiled)
         raw["dpo"] = run_part("dpo", commands, args, root)
         setting = f"batch {DPO_BATCH} pairs, max_length {DPO_MAX_LENGTH}, beta {BETA}, sigmoid"
         tables.append(speed_table("DPO", raw["dpo"], f"{note}; {setting}"))
     if args.only in ("kto", "all"):
         commands = kto_commands(model, dpo_data(root), args.steps, args.dtype)
+        commands = with_compiled(commands, args.compiled)
         raw["kto"] = run_part("kto", commands, args, root)
         setting = f"batch {2 * DPO_BATCH} answers, max_length {DPO_MAX_LENGTH}, beta {BETA}"
         tables.append(speed_table("KTO", raw["kto"], f"{note}; {setting}"))
