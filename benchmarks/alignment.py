@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/alignment.py [--only dpo|kto|grpo|all] [--steps 8] [--repeats 2]
         [--dtype fp32|bf16] [--model DIR] [--skip-check | --check-only] [--compiled]
+        [--async_generate]
 
 1. Environment. TRL runs in its own venv, the frameworks benchmark's `.venvs/trl` (TRL 1.16,
    transformers and peft as swiftlm's, torch 2.13.0 CPU build), made on first use by
@@ -37,6 +38,8 @@
    `--compiled` adds DPO and KTO runs with `--torch_compile true` (`swiftlm_compiled`: each
    decoder layer compiled by inductor); the table's wall column is the whole process, so the
    compilation in the first steps is counted there (the median step leaves it out).
+   `--async_generate` adds a GRPO run with `--async_generate true` (`swiftlm_async`: the next
+   generation sampled in the background while one trains).
    GRPO data: arithmetic questions with a `solution`; reward: the completion's last number
    equals it (swiftlm's built-in `accuracy`, the same rule in alignment_trl.py); loss `grpo`
    (swiftlm's default; TRL's is `dapo`), the same KL beta, no vLLM. The table also shows each
@@ -345,11 +348,11 @@ def trl_common(part: str, model: str, steps: int, dtype: str, out: Path) -> list
     ]  # fmt: skip
 
 
-def with_compiled(commands: dict, compiled: bool) -> dict:
-    """`commands`, plus swiftlm's default with every decoder layer compiled (`--compiled`)."""
-    if compiled:
+def with_variant(commands: dict, name: str, flags: list[str], wanted: bool) -> dict:
+    """`commands`, plus (when `wanted`) swiftlm's default with `flags` as `name`."""
+    if wanted:
         default = commands["swiftlm"]
-        commands["swiftlm_compiled"] = lambda out: default(out) + ["--torch_compile", "true"]
+        commands[name] = lambda out: default(out) + flags
     return commands
 
 
@@ -532,6 +535,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     parser.add_argument("--grpo_batch", type=int, default=GRPO_BATCH, help="completions per step")
     parser.add_argument("--grpo_generations", type=int, default=GRPO_GENERATIONS)
+    parser.add_argument("--async_generate", action="store_true",
+                        help="GRPO: also run swiftlm with --async_generate true")  # fmt: skip
     parser.add_argument("--compiled", action="store_true",
                         help="DPO and KTO: also run swiftlm with --torch_compile true")  # fmt: skip
     return parser.parse_args()
@@ -557,19 +562,26 @@ def main() -> int:
     tables, raw = [], {}
     if args.only in ("dpo", "all"):
         commands = dpo_commands(model, dpo_data(root), args.steps, args.dtype)
-        commands = with_compiled(commands, args.compiled)
+        commands = with_variant(
+            commands, "swiftlm_compiled", ["--torch_compile", "true"], args.compiled
+        )
         raw["dpo"] = run_part("dpo", commands, args, root)
         setting = f"batch {DPO_BATCH} pairs, max_length {DPO_MAX_LENGTH}, beta {BETA}, sigmoid"
         tables.append(speed_table("DPO", raw["dpo"], f"{note}; {setting}"))
     if args.only in ("kto", "all"):
         commands = kto_commands(model, dpo_data(root), args.steps, args.dtype)
-        commands = with_compiled(commands, args.compiled)
+        commands = with_variant(
+            commands, "swiftlm_compiled", ["--torch_compile", "true"], args.compiled
+        )
         raw["kto"] = run_part("kto", commands, args, root)
         setting = f"batch {2 * DPO_BATCH} answers, max_length {DPO_MAX_LENGTH}, beta {BETA}"
         tables.append(speed_table("KTO", raw["kto"], f"{note}; {setting}"))
     if args.only in ("grpo", "all"):
         commands = grpo_commands(
             model, grpo_data(root), args.steps, args.dtype, args.grpo_batch, args.grpo_generations
+        )
+        commands = with_variant(
+            commands, "swiftlm_async", ["--async_generate", "true"], args.async_generate
         )
         missing = swiftlm_has_grpo()
         if missing:

@@ -72,6 +72,13 @@ class GRPOArguments:
         "(then the importance ratio and the clip matter).",
         default=None,
     )
+    async_generate: bool = doc(
+        "grpo: sample the next generation in a background thread while this one trains, "
+        "from a copy of the policy taken as it starts (one generation off-policy; the copy's "
+        "log-probs are the importance ratio's old ones, `importance_ratio` is logged). One "
+        "process, --infer_backend pt; the copy shares a LoRA run's frozen base weights.",
+        default=False,
+    )
     reward_funcs: list[str] = doc(
         "grpo: reward functions, built in (accuracy: the completion's final answer equals the "
         "row's `solution`, numbers compared as numbers; format: the completion matches "

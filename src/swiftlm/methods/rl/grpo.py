@@ -14,6 +14,8 @@ per_device_train_batch_size / num_generations prompts and their groups. With
 the prompts of k/GA optimizer steps and trains on them over those steps (the old policy's
 log-probs are computed once, at generation time, for the importance ratio); the steps not
 yet trained are `pending` and go into every checkpoint, so a resumed run continues exactly.
+With --async_generate the next generation is sampled in the background while one trains
+(methods/rl/async_rollouts.py: one generation off-policy, importance ratio logged).
 
 Seeds come from the run seed, the generation's number and the prompt (rollout.rollout_seed):
 2 ranks sample what one process samples, a resumed run what the straight one sampled.
@@ -22,6 +24,7 @@ and reports the mean reward as -eval_loss and per function as eval_rewards/<name
 """
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -35,7 +38,8 @@ from swiftlm.losses.causal_lm import shifted_labels, token_cross_entropy
 from swiftlm.losses.rl import clipped_surrogate, k3_kl, normalizer, reduce_tokens
 from swiftlm.methods.base import Batch, EncodeResult, LossOutput, StepContext
 from swiftlm.methods.reference import Reference, attention_of
-from swiftlm.methods.rl.grpo_rollouts import GenerationBuffer, RolloutParts, Rollouts
+from swiftlm.methods.rl.async_rollouts import AsyncGenerations
+from swiftlm.methods.rl.grpo_rollouts import Generation, GenerationBuffer, RolloutParts, Rollouts
 from swiftlm.methods.rl.online import (
     SHARDED,
     PromptBatches,
@@ -72,6 +76,9 @@ class GRPO(PromptBatches):
         self.rewards: RewardSet | None = None  # built in prepare_model (it logs)
         self.buffer = GenerationBuffer()
         self.rollouts: Rollouts | None = None
+        self.metrics: dict[str, float] = {}  # the generation being trained on
+        # --async_generate: the next generation, sampled in the background on its own engine.
+        self.prefetch: AsyncGenerations | None = None
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -156,6 +163,11 @@ class GRPO(PromptBatches):
             normalizer=self.normalizer,
         )
         self.rollouts = Rollouts(parts, log)
+        if g.async_generate:
+            self.prefetch = AsyncGenerations(
+                self.rollouts, policy_sampler(self.cfg, self.tokenizer)
+            )
+            log("grpo: --async_generate: each generation samples the next in the background")
 
     @property
     def steps_per_generation(self) -> int:
@@ -163,25 +175,63 @@ class GRPO(PromptBatches):
 
     def step_batches(self, model, context: StepContext) -> list[Batch]:
         """The next optimizer step's micro-batches of completions: pending ones, or a new
-        generation over the prompts of the next steps_per_generation / GA optimizer steps."""
+        generation over the prompts of the next steps_per_generation / GA optimizer steps
+        (with --async_generate: the one sampled in the background, and the next launched)."""
         if not self.buffer.pending:
-            per_generation = self.steps_per_generation // self.cfg.train.gradient_accumulation_steps
-            steps = min(per_generation, context.steps_left)
-            prompt_batches = [context.draw() for _ in range(steps)]
-            self.buffer.fill(self.rollouts.generate(model, prompt_batches, context))
+            generation = self._next_generation(model, context)
+            self.buffer.fill(generation.steps)
+            self.metrics = generation.metrics
+            later = context.steps_left - len(generation.steps)
+            if self.prefetch is not None and later > 0:
+                ahead = dataclasses.replace(
+                    context, step=context.step + len(generation.steps), steps_left=later
+                )
+                self.prefetch.launch(model, self._draw_generation(ahead), ahead)
         return self.buffer.pop()
 
+    def _next_generation(self, model, context: StepContext) -> Generation:
+        if self.prefetch is not None:
+            with context.phase("generation"):  # what is left of the background sampling
+                prefetched = self.prefetch.take()
+            if prefetched is not None:
+                return prefetched
+        return self.rollouts.generate(model, self._draw_generation(context), context)
+
+    def _draw_generation(self, context: StepContext) -> list[list[Batch]]:
+        """The prompt micro-batches of the optimizer steps one generation covers."""
+        per_generation = self.steps_per_generation // self.cfg.train.gradient_accumulation_steps
+        return [context.draw() for _ in range(min(per_generation, context.steps_left))]
+
     def step_metrics(self) -> dict[str, float]:
-        return self.rollouts.metrics if self.rollouts else {}
+        return self.metrics
 
     def state_dict(self) -> dict:
-        return {"buffer": self.buffer.state_dict(), "rollouts": self.rollouts.state_dict()}
+        """What was sampled and not yet trained on: the pending steps, and with
+        --async_generate the generation in flight (waited for)."""
+        prefetched = None
+        if self.prefetch is not None:  # first: its end counts the generation in rollouts
+            prefetched = self.prefetch.take()
+            self.prefetch.keep(prefetched)
+        state = {
+            "buffer": self.buffer.state_dict(),
+            "rollouts": self.rollouts.state_dict(),
+            "metrics": self.metrics,
+        }
+        if prefetched is not None:
+            state["prefetched"] = {"steps": prefetched.steps, "metrics": prefetched.metrics}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state["buffer"])
         self.rollouts.load_state_dict(state["rollouts"])
+        # Checkpoints before the metrics moved here kept them with the rollouts.
+        self.metrics = state.get("metrics", state["rollouts"].get("metrics", {}))
+        if self.prefetch is not None and "prefetched" in state:
+            self.prefetch.keep(Generation(**state["prefetched"]))
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
         self.sampler.close()
         if self.rewards:
             self.rewards.close()
@@ -204,6 +254,9 @@ class GRPO(PromptBatches):
             level=g.importance_sampling_level,
         )  # fmt: skip
         metrics = {"clip_ratio": reduce_tokens(clipped, mask, r.loss_type)}
+        if "old_logps" in batch:  # the policy trained has moved on from the one that sampled
+            ratio = torch.exp(logps.detach() - old)
+            metrics["importance_ratio"] = reduce_tokens(ratio, mask, r.loss_type)
         if self.reference is not None:
             with torch.no_grad():
                 reference, context = self.reference.module(model)
@@ -288,3 +341,27 @@ def _check_layout(cfg: RLHFConfig) -> None:
             f"--steps_per_generation {spg} must be a multiple of --gradient_accumulation_steps "
             f"{t.gradient_accumulation_steps} (a generation covers whole optimizer steps)"
         )
+    if g.async_generate:
+        _check_async_layout(cfg)
+
+
+def _check_async_layout(cfg: RLHFConfig) -> None:
+    """--async_generate samples from a copy of the whole policy in a background thread of
+    the one trainer process, on swiftlm's engine: refuse what that cannot be."""
+    d = cfg.dist
+    refused = {
+        f"--nproc_per_node {d.nproc_per_node}": d.nproc_per_node > 1,
+        f"--nnodes {d.nnodes}": str(d.nnodes) != "1",
+        f"--strategy {d.strategy}": d.strategy not in ("auto", "single", "ddp"),
+        "--fsdp": bool(d.fsdp),
+        "--infer_backend vllm": cfg.grpo.infer_backend == "vllm",
+        f"--quant_method {cfg.quant.quant_method}": cfg.quant.quant_method is not None,
+    }
+    for flag, given in refused.items():
+        if given:
+            raise ConfigError(
+                f"{flag}: not available with --async_generate yet (the next generation is "
+                "sampled from a copy of the whole, unquantized policy in a background thread "
+                "of one trainer process, on swiftlm's engine); drop --async_generate or "
+                f"{flag.split()[0]}"
+            )

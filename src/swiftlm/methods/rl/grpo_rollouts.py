@@ -25,6 +25,14 @@ from swiftlm.methods.rl.packed_completions import packed_completion_row
 from swiftlm.methods.rl.rollout import completion_rows, rollout_seed, sampling_params
 
 
+@dataclass
+class Generation:
+    """One generation's completion micro-batches, per optimizer step, and what it logs."""
+
+    steps: list[list[dict]]
+    metrics: dict[str, float]
+
+
 class GenerationBuffer:
     """Optimizer steps of completion micro-batches sampled but not yet trained on."""
 
@@ -81,26 +89,40 @@ class Rollouts:
         self.parts, self.log = parts, log
         self.args = parts.args
         self.generations = 0  # generations so far (seeds, resume)
-        self.metrics: dict[str, float] = {}
         self.zero_spread_notes = 0
         self.phase = lambda name: nullcontext()  # the loop's step timer, set per generation
         self.completions_file = parts.run_dir / "completions.jsonl"
 
     # -- a generation --------------------------------------------------------------------------
 
-    def generate(self, model, prompt_steps: list[list[dict]], context) -> list[list[dict]]:
-        """Completion micro-batches for the prompt micro-batches of each optimizer step."""
+    def generate(
+        self,
+        model,
+        prompt_steps: list[list[dict]],
+        context,
+        sampler=None,
+        off_policy: bool = False,
+    ) -> Generation:
+        """Completion micro-batches for the prompt micro-batches of each optimizer step,
+        sampled from `model` on `sampler` (default: the run's, over the live policy).
+        `off_policy`: the steps train a later policy than `model` (--async_generate), so every
+        step keeps `model`'s log-probs for the importance ratio."""
+        sampler = sampler or self.parts.sampler
         prompts = [p for step in prompt_steps for batch in step for p in batch["prompts"]]
         rows = [json.loads(p["row"]) for p in prompts]
         self.phase = context.phase
-        results = self._sample(model, prompts, attempt=0)
+        results = self._sample(sampler, model, prompts, attempt=0)
         scored = self._score(prompts, rows, results)
         if self.args.dynamic_sample:
-            results, scored = self._resample_flat_groups(model, prompts, rows, results, scored)
+            results, scored = self._resample_flat_groups(
+                sampler, model, prompts, rows, results, scored
+            )
         rewards = torch.tensor(scored.total, dtype=torch.float64).view(len(prompts), -1)
         weights = torch.tensor([p["weight"] for p in prompts], dtype=torch.float64)
         advantages = self._advantages(rewards, weights, context.strategy)
-        self._log_generation(context, prompts, rows, results, scored, rewards, advantages, weights)
+        metrics = self._log_generation(
+            context, prompts, rows, results, scored, rewards, advantages, weights
+        )
         steps, start = [], 0
         for step in prompt_steps:
             batches = []
@@ -110,12 +132,12 @@ class Rollouts:
                 batches.append(self._micro_batch(prompts[span], results[span], advantages[span]))
                 start += count
             steps.append(batches)
-        if len(steps) > 1:  # later steps train a changed policy: keep the sampler's log-probs
-            self._add_old_logps(model, steps, context)
+        if len(steps) > 1 or off_policy:  # a changed policy trains: keep the sampler's log-probs
+            metrics["logprob_mismatch"] = self._add_old_logps(model, steps, context)
         self.generations += 1
-        return steps
+        return Generation(steps, metrics)
 
-    def _sample(self, model, prompts: list[dict], attempt: int, only=None):
+    def _sample(self, sampler, model, prompts: list[dict], attempt: int, only=None):
         seed = self.parts.seed
         chosen = range(len(prompts)) if only is None else only
         requests = [
@@ -130,7 +152,7 @@ class Rollouts:
             for i in chosen
         ]
         with self.phase("generation"):
-            return self.parts.sampler.generate(model, requests)
+            return sampler.generate(model, requests)
 
     def _score(self, prompts, rows, results):
         group = self.args.num_generations
@@ -144,7 +166,7 @@ class Rollouts:
                 columns,
             )
 
-    def _resample_flat_groups(self, model, prompts, rows, results, scored):
+    def _resample_flat_groups(self, sampler, model, prompts, rows, results, scored):
         """--dynamic_sample: sample the groups whose rewards all agree again, new seeds."""
         group = self.args.num_generations
         for attempt in range(1, self.args.max_resample_times + 1):
@@ -152,7 +174,7 @@ class Rollouts:
             flat = [i for i in range(len(prompts)) if bool((totals[i] == totals[i, 0]).all())]
             if not flat:
                 break
-            again = self._sample(model, prompts, attempt, only=flat)
+            again = self._sample(sampler, model, prompts, attempt, only=flat)
             rescored = self._score([prompts[i] for i in flat], [rows[i] for i in flat], again)
             for slot, i in enumerate(flat):
                 results[i] = again[slot]
@@ -201,9 +223,9 @@ class Rollouts:
         return batch
 
     @torch.no_grad()
-    def _add_old_logps(self, model, steps, context) -> None:
+    def _add_old_logps(self, model, steps, context) -> float:
         """The sampling policy's log-probs (the trainer's forward, before any update of this
-        generation), for the importance ratio of every step; and the engine mismatch."""
+        generation), for the importance ratio of every step; returns the engine mismatch."""
         loss_type = self.parts.loss_type
         gap, units = 0.0, 0.0
         device = next(model.parameters()).device
@@ -218,7 +240,7 @@ class Rollouts:
                 units += float(self.parts.normalizer(batch))
         ctx = context.strategy.ctx
         units = ctx.all_reduce_sum(units)
-        self.metrics["logprob_mismatch"] = ctx.all_reduce_sum(gap) / max(units, 1.0)
+        return ctx.all_reduce_sum(gap) / max(units, 1.0)
 
     # -- evaluation ------------------------------------------------------------------------------
 
@@ -248,7 +270,9 @@ class Rollouts:
 
     # -- what a generation reports ---------------------------------------------------------------
 
-    def _log_generation(self, context, prompts, rows, results, scored, rewards, adv, weights):
+    def _log_generation(
+        self, context, prompts, rows, results, scored, rewards, adv, weights
+    ) -> dict[str, float]:
         group = self.args.num_generations
         real = weights > 0
         sums: dict[str, float] = {"groups": float(real.sum()), "completions": 0.0}
@@ -271,13 +295,14 @@ class Rollouts:
             sums[f"{name}/failures"] = float(scored.failures.get(name, 0))
         ctx = context.strategy.ctx
         totals = {k: ctx.all_reduce_sum(v) for k, v in sums.items()}
-        self.metrics = _generation_metrics(totals, self.parts.rewards.names)
+        metrics = _generation_metrics(totals, self.parts.rewards.names)
         if bool(real.any()):  # this rank's (the context offers sums only)
-            self.metrics["completions/min_length"] = float(lengths[real].min())
-            self.metrics["completions/max_length"] = float(lengths[real].max())
-        if self.metrics["frac_reward_zero_std"] == 1.0:
+            metrics["completions/min_length"] = float(lengths[real].min())
+            metrics["completions/max_length"] = float(lengths[real].max())
+        if metrics["frac_reward_zero_std"] == 1.0:
             self._explain_zero_loss(context.step)
         self._write_completions(context, rows, results, scored, adv, weights)
+        return metrics
 
     def _explain_zero_loss(self, step: int) -> None:
         self.zero_spread_notes += 1
@@ -317,11 +342,10 @@ class Rollouts:
     # -- resume --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"generations": self.generations, "metrics": self.metrics}
+        return {"generations": self.generations}
 
     def load_state_dict(self, state: dict) -> None:
         self.generations = state["generations"]
-        self.metrics = state["metrics"]
         for file in self.completions_file.parent.glob("completions*.jsonl"):
             _keep_generations(file, self.generations)
 
