@@ -285,3 +285,39 @@ def test_a_crashed_run_resumed_equals_an_uninterrupted_one(
         straight = logged(tmp_path / "straight", key)[-2:]
         assert logged(tmp_path / "resumed", key)[-2:] == straight, key
     assert logged(tmp_path / "straight", "kl")[-1] > 0  # the KL term was exercised
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_precomputed_reference_log_probs_give_the_same_losses(
+    loss_type, tiny_model_dir, answers, tmp_path, capsys, monkeypatch
+):
+    """--precompute_ref_log_probs: the matched answers' reference log-probs come from the
+    samples; the reference runs per step only on kto's mismatched (KL) rows, and never for
+    apo_zero_unpaired."""
+    from swiftlm.methods.preference.kto import KTO
+
+    common = dict(max_steps=3, learning_rate="5e-3", lora_dropout=0, loss_type=loss_type)
+    common |= dict(rlhf_type="kto", per_device_train_batch_size=4)
+    assert main(rlhf(tiny_model_dir, answers, tmp_path / "live", **common)) == 0
+    real, calls = KTO._reference_logps, []
+
+    def counted(self, model, batch, prefix):
+        calls.append(prefix)
+        return real(self, model, batch, prefix)
+
+    monkeypatch.setattr(KTO, "_reference_logps", counted)
+    precomputed = dict(common, precompute_ref_log_probs="true")
+    assert main(rlhf(tiny_model_dir, answers, tmp_path / "precomputed", **precomputed)) == 0
+    kept = "kept for the KL rows" if loss_type == "kto" else "freed"
+    assert f"reference log-probs of 16 answers precomputed; the reference model is {kept}" in (
+        capsys.readouterr().out
+    )
+    assert calls == (["kl_"] * 3 if loss_type == "kto" else [])  # one KL forward per step
+    # Scored apart (another batch) against in the step's forward: the loss and rewards are
+    # beta-scaled differences of summed log-probs, so their rounding is those log-probs'.
+    size = max(map(abs, logged(tmp_path / "live", "logps/rejected")))
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "kl"):
+        live, ours = logged(tmp_path / "live", key), logged(tmp_path / "precomputed", key)
+        assert_close(ours, live, terms=forward_terms(tokens=64), magnitude=size, what=key)
+    assert logged(tmp_path / "live", "rewards/chosen")[-1] != 0  # the policy moved

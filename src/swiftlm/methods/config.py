@@ -91,9 +91,10 @@ class RLHFArguments:
         default=None,
     )
     precompute_ref_log_probs: bool = doc(
-        "dpo: score every pair with the reference once before training and keep the log-probs "
-        "with the samples; the reference model is then freed (full fine-tuning, --ref_model) "
-        "and no step runs it. The losses are the same.",
+        "dpo, kto: score every answer with the reference once before training and keep the "
+        "log-probs with the samples; the reference model is then freed (full fine-tuning, "
+        "--ref_model) and no step runs it (kto's mismatched KL rows, drawn per micro-batch, "
+        "still run it with --loss_type kto). The losses are the same.",
         default=False,
     )
     desirable_weight: float = doc(

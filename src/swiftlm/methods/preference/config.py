@@ -26,7 +26,9 @@ CPO_FLAGS = MethodFlags(
 KTO_FLAGS = MethodFlags(
     loss_types=KTO_LOSS_TYPES,
     beta=0.1,
-    reads=frozenset({"ref_model", "desirable_weight", "undesirable_weight"}),
+    reads=frozenset(
+        {"ref_model", "desirable_weight", "undesirable_weight", "precompute_ref_log_probs"}
+    ),
 )
 # A reward model's Bradley-Terry loss has neither a loss type nor a beta.
 REWARD_MODEL_FLAGS = MethodFlags()

@@ -24,11 +24,11 @@ Options (TRL's DPOConfig names):
 - --ref_model: the reference is that model (methods/reference.py);
 - --precompute_ref_log_probs: `prepare_samples` scores every pair with the reference once,
   before training, and returns the samples with `ref_chosen_logps`/`ref_rejected_logps`
-  attached (PrecomputedSamples); the reference is then freed and no step runs it.
+  attached (methods/preference/precomputed.py); the reference is then freed and no step
+  runs it.
 """
 
 import contextlib
-from collections.abc import Sequence
 
 import torch
 
@@ -48,6 +48,7 @@ from swiftlm.losses.preference import (
     weighted_dpo_losses,
 )
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
+from swiftlm.methods.preference.precomputed import precompute
 from swiftlm.methods.reference import Reference, unwrapped
 from swiftlm.methods.token import token_pads
 from swiftlm.methods.vision import VisionInputs
@@ -223,15 +224,20 @@ class DPO(MethodDefaults):
         self.ref.prepare(model, log)
 
     def prepare_samples(self, model: torch.nn.Module, train, val, log) -> tuple:
-        """--precompute_ref_log_probs: every pair's reference log-probs, computed once now (the
-        policy is still the initial model, also for a resumed run), kept with the samples;
-        the reference is freed. Every rank scores every sample (no collective needed)."""
+        """--precompute_ref_log_probs: every pair's reference log-probs, computed once now
+        (methods/preference/precomputed.py), kept with the samples; the reference is freed."""
         if not self.rlhf.precompute_ref_log_probs:
             return train, val
-        splits = []
-        for samples in (train, val):
-            chosen, rejected = self._score(model, samples)
-            splits.append(PrecomputedSamples(samples, chosen, rejected))
+        splits = [
+            precompute(
+                model,
+                samples,
+                self.eval_batch_size,
+                self.torch_dtype,
+                lambda chunk, device: self._score(model, chunk, device),
+            )  # fmt: skip
+            for samples in (train, val)
+        ]
         self.ref.free()
         log(
             f"dpo: reference log-probs of {len(train) + len(val)} pairs precomputed; "
@@ -239,34 +245,17 @@ class DPO(MethodDefaults):
         )
         return splits[0], list(splits[1])
 
-    @torch.no_grad()
-    def _score(self, model, samples) -> tuple[list[float], list[float]]:
-        """(chosen, rejected) reference log-probs of `samples`, in micro-batches of the eval
-        batch size, under the same autocast as training."""
-        from swiftlm.models.loader import pick_dtype
-
-        device = next(unwrapped(model).parameters()).device
-        dtype = pick_dtype(self.torch_dtype, device)
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-        chosen, rejected = [], []
-        was_training = model.training
-        model.eval()
-        for start in range(0, len(samples), self.eval_batch_size):
-            end = min(start + self.eval_batch_size, len(samples))
-            rows = [[samples[i]] for i in range(start, end)]
-            batch = self.collate(Layout(rows=rows, packed=False))
-            batch = {k: v.to(device) for k, v in batch.items()}
-            if self.ref.model is None and not self.uses_lora:  # the initial policy itself
-                reference, context = model, contextlib.nullcontext()
-            else:
-                reference, context = self._reference(model)
-            with autocast:
-                logps, _ = answer_logps(reference, batch, context)
-            pairs = len(rows)
-            chosen += logps[:pairs].tolist()
-            rejected += logps[pairs:].tolist()
-        model.train(was_training)
-        return chosen, rejected
+    def _score(self, model, pairs: list[dict], device) -> dict[str, list[float]]:
+        """The reference log-probs of `pairs`' chosen and rejected answers."""
+        batch = self.collate(Layout(rows=[[pair] for pair in pairs], packed=False))
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if self.ref.model is None and not self.uses_lora:  # the initial policy itself
+            reference, context = model, contextlib.nullcontext()
+        else:
+            reference, context = self._reference(model)
+        logps, _ = answer_logps(reference, batch, context)
+        count = len(pairs)
+        return {REF_KEYS[0]: logps[:count].tolist(), REF_KEYS[1]: logps[count:].tolist()}
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
         logps, counts = answer_logps(model, batch)
@@ -392,20 +381,6 @@ def weighted_sums(losses: torch.Tensor, metrics: dict, batch: Batch) -> LossOutp
 
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
-
-
-class PrecomputedSamples(Sequence):
-    """Encoded pairs (a list or the Arrow cache's rows) with their reference log-probs."""
-
-    def __init__(self, samples, chosen: list[float], rejected: list[float]):
-        self.samples, self.chosen, self.rejected = samples, chosen, rejected
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> dict:
-        refs = {REF_KEYS[0]: self.chosen[index], REF_KEYS[1]: self.rejected[index]}
-        return {**self.samples[index], **refs}
 
 
 def _pair(chosen: dict, rejected: dict) -> dict:

@@ -33,7 +33,15 @@ z). The mean over the desirable samples that TRL logs as rewards/chosen is
 rewards/chosen / count/chosen (likewise for the other three): the loop divides every metric
 by one normalizer, the step's samples over all micro-batches and ranks, so a sum over the
 desirable subset cannot come out as a mean over that subset.
+
+--precompute_ref_log_probs: every answer's reference log-prob log pi_ref(y_i|x_i) is computed
+once before training (methods/preference/precomputed.py) and read by the steps. The
+mismatched rows' reference log-probs are not: their pairs are drawn per micro-batch, so
+with --loss_type kto the reference still runs on them each step (half the reference work
+of a step without the flag); with apo_zero_unpaired no step runs the reference.
 """
+
+import contextlib
 
 import torch
 
@@ -45,10 +53,12 @@ from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.preference import kto_losses
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
 from swiftlm.methods.preference.dpo import answer_logps, packed_answers
+from swiftlm.methods.preference.precomputed import precompute
 from swiftlm.methods.reference import Reference
 from swiftlm.methods.token import token_pads
 
 MAIN, KL = "", "kl_"  # the prefixes of the matched and the mismatched rows' tensors
+REF_LOGPS = "ref_logps"  # a sample's precomputed reference log-prob (--precompute_ref_log_probs)
 
 
 class KTO(MethodDefaults):
@@ -64,6 +74,8 @@ class KTO(MethodDefaults):
         self.data, self.rlhf = cfg.data, cfg.rlhf
         self.uses_kl = cfg.rlhf.loss_type == "kto"
         self.reference = Reference(cfg, self.name)
+        self.eval_batch_size = cfg.train.per_device_eval_batch_size
+        self.torch_dtype = cfg.model.torch_dtype
         if self.uses_kl and cfg.train.per_device_train_batch_size == 1:
             raise ConfigError(
                 "--per_device_train_batch_size 1: KTO's KL estimate pairs each answer with the "
@@ -134,6 +146,8 @@ class KTO(MethodDefaults):
             batch |= {KL + k: v for k, v in self._layout(mismatched, layout).items()}
         batch["desirable"] = torch.tensor([bool(s["desirable"]) for s in samples])
         batch["weight"] = torch.tensor([s["weight"] for s in samples], dtype=torch.float32)
+        if REF_LOGPS in samples[0]:  # --precompute_ref_log_probs
+            batch[REF_LOGPS] = torch.tensor([s[REF_LOGPS] for s in samples], dtype=torch.float32)
         return batch
 
     def _layout(self, rows: list[dict], layout: Layout) -> Batch:
@@ -160,13 +174,54 @@ class KTO(MethodDefaults):
             f"kto: beta {r.beta}, loss_type {r.loss_type}, desirable_weight {r.desirable_weight}, "
             f"undesirable_weight {r.undesirable_weight}"
         )
+        if r.precompute_ref_log_probs and not self.uses_kl and not r.ref_model:
+            return  # no step runs the reference: the initial policy scores in prepare_samples
         self.reference.prepare(model, log)
+
+    def prepare_samples(self, model: torch.nn.Module, train, val, log) -> tuple:
+        """--precompute_ref_log_probs: every answer's reference log-prob, computed once now and
+        kept with the samples; the reference is freed unless the KL rows still need it."""
+        if not self.rlhf.precompute_ref_log_probs:
+            return train, val
+        splits = [
+            precompute(
+                model,
+                samples,
+                self.eval_batch_size,
+                self.torch_dtype,
+                lambda chunk, device: self._score(model, chunk, device),
+            )  # fmt: skip
+            for samples in (train, val)
+        ]
+        kept = "kept for the KL rows" if self.uses_kl else "freed"
+        if not self.uses_kl:
+            self.reference.free()
+        log(
+            f"kto: reference log-probs of {len(train) + len(val)} answers precomputed; the "
+            f"reference model is {kept}"
+        )
+        return splits[0], list(splits[1])
+
+    def _score(self, model, samples: list[dict], device) -> dict[str, list[float]]:
+        """The reference log-prob of each sample's answer after its own prompt."""
+        rows = [_row(s, s, None) for s in samples]
+        batch = self._layout(rows, Layout(rows=[[s] for s in samples], packed=False))
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if self.reference.model is None and not self.reference.uses_lora:
+            reference, context = model, contextlib.nullcontext()  # the initial policy itself
+        else:
+            reference, context = self.reference.module(model)
+        logps, _ = answer_logps(reference, _rows(batch, MAIN), context, len(samples))
+        return {REF_LOGPS: logps.tolist()}
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
         weight = batch["weight"]
         kl = self._kl(model, batch) if self.uses_kl else torch.zeros((), device=weight.device)
         logps, _ = answer_logps(model, _rows(batch, MAIN), answers=weight.numel())
-        ref_logps = self._reference_logps(model, batch, MAIN)
+        if REF_LOGPS in batch:
+            ref_logps = batch[REF_LOGPS].to(logps)
+        else:
+            ref_logps = self._reference_logps(model, batch, MAIN)
         desirable = batch["desirable"].bool()
         r = self.rlhf
         losses = kto_losses(
