@@ -443,6 +443,7 @@ def timed_run(command: list[str], log_dir: Path, timeout_s: float) -> dict:
 
 def run_part(part: str, commands: dict, args: argparse.Namespace, root: Path) -> dict:
     """Alternate the tools for --repeats rounds; the median step time of each run."""
+    commands = {tool: make for tool, make in commands.items() if tool not in args.skip_tools}
     runs = {tool: [] for tool in commands}
     for round_ in range(1, args.repeats + 1):
         for tool, command in commands.items():
@@ -535,6 +536,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     parser.add_argument("--grpo_batch", type=int, default=GRPO_BATCH, help="completions per step")
     parser.add_argument("--grpo_generations", type=int, default=GRPO_GENERATIONS)
+    parser.add_argument("--skip_tools", nargs="*", default=[],
+                        help="runs to leave out, e.g. swiftlm_padded")  # fmt: skip
     parser.add_argument("--async_generate", action="store_true",
                         help="GRPO: also run swiftlm with --async_generate true")  # fmt: skip
     parser.add_argument("--compiled", action="store_true",

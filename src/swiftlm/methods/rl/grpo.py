@@ -240,6 +240,8 @@ class GRPO(PromptBatches):
 
     def evaluate(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
         """A prompt micro-batch's greedy completions, scored: -reward sum, reward sums."""
+        if self.prefetch is not None:  # the reward workers serve one caller at a time
+            self.prefetch.wait()
         return self.rollouts.evaluate(model, batch["prompts"])
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
