@@ -48,7 +48,7 @@ from swiftlm.losses.preference import (
     weighted_dpo_losses,
 )
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
-from swiftlm.methods.preference.precomputed import precompute
+from swiftlm.methods.preference.precomputed import precompute_splits
 from swiftlm.methods.reference import Reference, unwrapped
 from swiftlm.methods.token import token_pads
 from swiftlm.methods.vision import VisionInputs
@@ -228,22 +228,15 @@ class DPO(MethodDefaults):
         (methods/preference/precomputed.py), kept with the samples; the reference is freed."""
         if not self.rlhf.precompute_ref_log_probs:
             return train, val
-        splits = [
-            precompute(
-                model,
-                samples,
-                self.eval_batch_size,
-                self.torch_dtype,
-                lambda chunk, device: self._score(model, chunk, device),
-            )  # fmt: skip
-            for samples in (train, val)
-        ]
+        train, val = precompute_splits(
+            model, train, val, self.eval_batch_size, self.torch_dtype, self._score
+        )
         self.ref.free()
         log(
             f"dpo: reference log-probs of {len(train) + len(val)} pairs precomputed; "
             "the reference model is freed"
         )
-        return splits[0], list(splits[1])
+        return train, val
 
     def _score(self, model, pairs: list[dict], device) -> dict[str, list[float]]:
         """The reference log-probs of `pairs`' chosen and rejected answers."""

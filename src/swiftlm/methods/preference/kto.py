@@ -53,7 +53,7 @@ from swiftlm.errors import ConfigError, DataError
 from swiftlm.losses.preference import kto_losses
 from swiftlm.methods.base import Batch, EncodeResult, Layout, LossOutput, MethodDefaults
 from swiftlm.methods.preference.dpo import answer_logps, packed_answers
-from swiftlm.methods.preference.precomputed import precompute
+from swiftlm.methods.preference.precomputed import precompute_splits
 from swiftlm.methods.reference import Reference
 from swiftlm.methods.token import token_pads
 
@@ -183,16 +183,9 @@ class KTO(MethodDefaults):
         kept with the samples; the reference is freed unless the KL rows still need it."""
         if not self.rlhf.precompute_ref_log_probs:
             return train, val
-        splits = [
-            precompute(
-                model,
-                samples,
-                self.eval_batch_size,
-                self.torch_dtype,
-                lambda chunk, device: self._score(model, chunk, device),
-            )  # fmt: skip
-            for samples in (train, val)
-        ]
+        train, val = precompute_splits(
+            model, train, val, self.eval_batch_size, self.torch_dtype, self._score
+        )
         kept = "kept for the KL rows" if self.uses_kl else "freed"
         if not self.uses_kl:
             self.reference.free()
@@ -200,7 +193,7 @@ class KTO(MethodDefaults):
             f"kto: reference log-probs of {len(train) + len(val)} answers precomputed; the "
             f"reference model is {kept}"
         )
-        return splits[0], list(splits[1])
+        return train, val
 
     def _score(self, model, samples: list[dict], device) -> dict[str, list[float]]:
         """The reference log-prob of each sample's answer after its own prompt."""

@@ -3,7 +3,7 @@ computed once, before the first step, while the policy is still the initial mode
 a resumed run: the checkpoint loads after), and travels with its sample; the steps then read
 it instead of running the reference.
 
-`precompute(model, samples, ...)` runs a method's scoring function over the samples in
+`precompute_splits(model, train, val, ...)` runs a method's scoring function over the samples in
 micro-batches of the eval batch size, in eval mode and under the training's autocast, and
 returns them as `PrecomputedSamples`: each sample with its values attached under the names
 the method's `collate` reads. Every rank scores every sample, so no collective is needed.
@@ -60,3 +60,12 @@ def precompute(
     finally:
         model.train(was_training)
     return PrecomputedSamples(samples, values)
+
+
+def precompute_splits(model, train, val, batch_size: int, torch_dtype: str, score) -> tuple:
+    """(train, val), each precomputed with `score(model, chunk, device)`; val as a list."""
+    splits = [
+        precompute(model, samples, batch_size, torch_dtype, lambda c, d: score(model, c, d))
+        for samples in (train, val)
+    ]
+    return splits[0], list(splits[1])
