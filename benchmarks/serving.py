@@ -4,8 +4,8 @@ model, same prompts.
 
     python benchmarks/serving.py [--prompts 128] [--new_tokens 128] [--clients 1 4 16 32]
                                  [--model DIR]
-                                 [--servers swiftlm transformers llamacpp vllm vllm_fp32
-                                            swiftlm_vllm]
+                                 [--servers swiftlm swiftlm_unpacked transformers llamacpp
+                                            vllm vllm_fp32 swiftlm_vllm]
                                  [--vllm_python .venv-vllm/bin/python]
                                  [--single_client_prompts 16] [--json out.json]
 
@@ -28,6 +28,9 @@ successive streamed chunks, as vLLM's benchmark measures it). Needs the `serve` 
 `pip install 'llama-cpp-python[server]==0.3.16'` (builds llama.cpp, ~2-5 min on 2 cores;
 0.3.36 segfaulted in its first decode on this machine) for the llama.cpp column; a server
 that is not installed is reported and skipped.
+
+`swiftlm_unpacked` is `swiftlm deploy --packed_weights false` (transformers' linear layers as
+loaded, the engine before its oneDNN-packed weights).
 
 vLLM (`vllm`: its own OpenAI server in bf16, `vllm_fp32`: in float32, `swiftlm_vllm`:
 `swiftlm deploy --infer_backend vllm`, swiftlm's API layer in front of vLLM's engine, bf16) runs
@@ -106,6 +109,15 @@ def servers(
         "swiftlm": Server(
             "swiftlm deploy",
             [sys.executable, "-m", "swiftlm", *f"deploy --port {port} --max_num_seqs 32".split()]
+            + (["--model", folder, "--served_model_name", name] if model else []),
+            name,
+            {"ignore_eos": True},
+        ),
+        # the engine as before --packed_weights: transformers' linear layers as loaded
+        "swiftlm_unpacked": Server(
+            "swiftlm deploy --packed_weights false",
+            [sys.executable, "-m", "swiftlm", "deploy", "--port", str(port), "--max_num_seqs"]
+            + ["32", "--packed_weights", "false"]
             + (["--model", folder, "--served_model_name", name] if model else []),
             name,
             {"ignore_eos": True},
@@ -337,8 +349,8 @@ def main() -> None:
     parser.add_argument(
         "--servers", nargs="+", default=["swiftlm", "transformers", "llamacpp"],
         choices=[
-            "swiftlm", "transformers", "transformers_auto", "llamacpp", "vllm", "vllm_fp32",
-            "swiftlm_vllm",
+            "swiftlm", "swiftlm_unpacked", "transformers", "transformers_auto", "llamacpp",
+            "vllm", "vllm_fp32", "swiftlm_vllm",
         ],
     )  # fmt: skip
     default_vllm = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"

@@ -119,8 +119,8 @@ ALL = "all"
 # The InferArguments that choose and tune the generation engine (engine.build.EngineOptions):
 # read by every command that generates.
 ENGINE_FLAGS = (
-    "prefix_cache_memory", "speculative_tokens", "infer_backend", "vllm_gpu_memory_utilization",
-    "vllm_tensor_parallel_size", "vllm_enforce_eager",
+    "prefix_cache_memory", "speculative_tokens", "packed_weights", "infer_backend",
+    "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enforce_eager",
 )  # fmt: skip
 _QUANT_TRAINING = ("quant_method", "quant_bits", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
 _TRAINING = {  # what sft, pt and rlhf read besides model, data, tuner and quant

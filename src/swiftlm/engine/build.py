@@ -15,16 +15,20 @@ Unlike the engine's core (`continuous.py` and what it runs), this module reads f
 folders, adapter folders, the model's flags.
 """
 
+import logging
 import warnings
 from dataclasses import dataclass
 
 from swiftlm.engine.continuous import ContinuousEngine, stop_token_ids
+from swiftlm.engine.packed_weights import pack_linear_weights, why_not_packable
 from swiftlm.engine.speculation import Speculation
 from swiftlm.engine.vision import build_vision_engine, is_vision_model
 from swiftlm.engine.vllm_backend import VllmOptions
 from swiftlm.errors import ConfigError, ModelLoadError
 from swiftlm.models.config import ModelArguments
 from swiftlm.models.loader import load_model, load_tokenizer, pick_device, pick_dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,12 @@ class InferenceModel:
 @dataclass(frozen=True)
 class EngineOptions:
     """How a command's engine is chosen and tuned: the `--infer_backend`,
-    `--prefix_cache_memory`, `--speculative_tokens` and `--vllm_*` flags."""
+    `--prefix_cache_memory`, `--speculative_tokens`, `--packed_weights` and `--vllm_*` flags."""
 
     infer_backend: str = "pt"
     prefix_cache_memory: int = 0  # MiB of swiftlm's prefix cache (0: none); pt only
     speculative_tokens: int = 0  # prompt-lookup draft tokens per step (0: no speculation)
+    packed_weights: str = "auto"  # auto | true | false: oneDNN-packed linears; pt only
     vllm: VllmOptions = VllmOptions()
 
     @classmethod
@@ -59,6 +64,7 @@ class EngineOptions:
             infer_backend=infer.infer_backend,
             prefix_cache_memory=infer.prefix_cache_memory,
             speculative_tokens=infer.speculative_tokens,
+            packed_weights=infer.packed_weights,
             vllm=VllmOptions(
                 gpu_memory_utilization=infer.vllm_gpu_memory_utilization,
                 tensor_parallel_size=infer.vllm_tensor_parallel_size,
@@ -118,6 +124,7 @@ def engine_for_model(
         attn_impl=model_args.attn_impl,
         prefix_cache_bytes=options.prefix_cache_memory * 2**20,
         speculation=Speculation(options.speculative_tokens) if options.speculative_tokens else None,
+        packed_weights=options.packed_weights,
         **engine_args,
     )
 
@@ -133,6 +140,12 @@ def check_backend(options: EngineOptions, model_path: str, vision: bool) -> None
         raise ConfigError(
             f"--infer_backend vllm: {model_path} is a vision-language model, and swiftlm "
             "passes only text prompts to vLLM so far; use --infer_backend pt"
+        )
+    if options.packed_weights == "true" and (options.infer_backend != "pt" or vision):
+        which = "a vision-language model" if vision else f"--infer_backend {options.infer_backend}"
+        raise ConfigError(
+            f"--packed_weights true: packing is for swiftlm's continuous-batching engine over a "
+            f"text model, not for {which}; drop the flag (or use auto)"
         )
 
 
@@ -152,16 +165,19 @@ def build_engine(
     warmup: bool = True,
     prefix_cache_bytes: int = 0,
     speculation: Speculation | None = None,
+    packed_weights: str = "auto",
 ) -> ContinuousEngine:
     """Load `model_path` (a local folder or hub id: see `models.loader.resolve_model`) and
     start its engine. `adapters` maps served names to adapter folders; `max_model_len`
-    defaults to the model's context length, at most 4096 (`continuous.DEFAULT_MAX_MODEL_LEN`)."""
+    defaults to the model's context length, at most 4096 (`continuous.DEFAULT_MAX_MODEL_LEN`);
+    `packed_weights` is the flag's auto | true | false (`packed_weights.py`)."""
     torch_device = pick_device(device)
     dtype = pick_dtype(torch_dtype, torch_device)
     tokenizer = load_tokenizer(tokenizer_path or model_path)
     model = load_model(model_path, dtype, torch_device, attn_impl)
     model = apply_adapters(model, merge_adapters)
     model = load_named_adapters(model, adapters or {})
+    pack_weights(model, packed_weights)
     engine = ContinuousEngine(
         model,
         tokenizer,
@@ -177,6 +193,21 @@ def build_engine(
     if warmup:
         engine.warmup()
     return engine
+
+
+def pack_weights(model, mode: str) -> None:
+    """`--packed_weights`: pack the linear layers where it applies (auto), refuse where it does
+    not (true), or leave them (false)."""
+    if mode == "false":
+        return
+    reason = why_not_packable(model)
+    if reason is None:
+        log.info("packed %d linear layers for oneDNN", pack_linear_weights(model))
+    elif mode == "true":
+        raise ConfigError(
+            f"--packed_weights true: {reason}; use --packed_weights auto (packs only where "
+            "it applies) or false"
+        )
 
 
 def apply_adapters(model, adapters: tuple[str, ...]):

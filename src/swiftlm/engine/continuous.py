@@ -55,7 +55,7 @@ class ContinuousEngine:
         (`speculation.py`), None for none."""
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features
         self.adapters = tuple(adapters)
         max_model_len = max_model_len or default_max_model_len(model)
         self.scheduler = Scheduler(

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from swiftlm.engine.packed_weights import parameter_count
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams
 from swiftlm.errors import ConfigError
 
@@ -115,7 +116,7 @@ class _EngineScoring:
 
     def get_model_info(self) -> dict:
         return {
-            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_num_parameters": parameter_count(self.model),
             "model_dtype": str(self.model.dtype),
             "engine": "swiftlm ContinuousEngine",
         }

@@ -65,6 +65,15 @@ class InferArguments:
         default=0,
     )
 
+    packed_weights: Literal["auto", "true", "false"] = doc(
+        "pt engine, bf16 on a CPU: reorder each linear layer's weight once at load into "
+        "oneDNN's blocked layout, so no product reorders it again (vLLM's CPU build does the "
+        "same): the same numbers, 1.2-1.3x decode tokens/s (docs/benchmarks.md). The weights "
+        "then serve only inference. auto: where it applies (bf16 weights on a CPU whose "
+        "oneDNN has bf16; DoRA layers stay as loaded); true: refuse where it does not; false: "
+        "keep transformers' layers as loaded. Text models only.",
+        default="auto",
+    )
     infer_backend: Literal["pt", "vllm", "sglang"] = doc(
         "The generation engine. pt: swiftlm's own (continuous batching on the transformers "
         "model; CPU or GPU, named adapters unmerged, log-probs equal to the trainer's). vllm: "
