@@ -70,7 +70,9 @@ def test_packed_model_computes_the_loaded_models_logits(tie):
     plain = bf16_llama(tie)
     packed = copy.deepcopy(plain)
     count = parameter_count(plain)
+    threads = torch.get_num_threads()
     assert pack_linear_weights(packed) == LINEARS
+    assert torch.get_num_threads() == threads  # packed on one thread, then given back
     assert all(type(m) is not nn.Linear for m in packed.modules())
     assert parameter_count(packed) == count  # a tied head is counted once, as before
     assert packed.get_output_embeddings().out_features == VOCAB
