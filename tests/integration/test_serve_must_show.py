@@ -13,6 +13,8 @@ pytest.importorskip("fastapi")
 
 from serve_helpers import ServerThread  # noqa: E402
 
+from swiftlm.engine.packed_weights import PackedLinear  # noqa: E402
+
 ADAPTERS = ("alpha", "beta", "gamma")
 MESSAGES = [{"role": "user", "content": "Who are you?"}]
 
@@ -109,12 +111,17 @@ def test_base_weights_are_held_once_with_three_adapters(engine, tiny_model_dir):
     per_adapter = {a: sum(p.numel() for n, p in lora.items() if f".{a}." in n) for a in ADAPTERS}
     assert sum(per_adapter.values()) == sum(p.numel() for p in lora.values())
     assert len(set(per_adapter.values())) == 1 and per_adapter["alpha"] > 0
+    # Linear layers packed for oneDNN (--packed_weights, on by default for a bf16 CPU engine)
+    # hold their weight as one opaque tensor each instead of a parameter.
+    packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     # Every base tensor once: as many distinct storages as the plain model has parameters...
-    assert len({p.data_ptr() for p in base.values()}) == len(list(plain.parameters()))
+    distinct = len({p.data_ptr() for p in base.values()}) + len(packed)
+    assert distinct == len(list(plain.parameters()))
     # ...and all the served weights (counted once per storage) are the base's plus the three
     # adapters' LoRA matrices: no per-adapter copy of the base (the engine may cast its dtype).
     storages = {p.data_ptr(): p.numel() for p in served.values()}
-    assert sum(storages.values()) == plain_numel + 3 * per_adapter["alpha"]
+    held = sum(storages.values()) + sum(m.weight_numel for m in packed)
+    assert held == plain_numel + 3 * per_adapter["alpha"]
 
 
 def test_each_adapter_answers_differently_from_the_base(server):
