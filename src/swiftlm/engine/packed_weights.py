@@ -60,15 +60,17 @@ def why_not_packable(model) -> str | None:
 def pack_linear_weights(model) -> int:
     """Replace each plain `nn.Linear` of `model` by a `PackedLinear`; the number replaced."""
     kept = _kept_for_adapters(model)
-    targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    targets = [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and id(module) not in kept
+    ]
     with _one_thread():
         for name in targets:
-            if name in kept or any(name.startswith(prefix) for prefix in kept):
-                continue
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, child, PackedLinear(getattr(parent, child)))
-    return sum(isinstance(m, PackedLinear) for m in model.modules())
+    return len(targets)
 
 
 @contextmanager
@@ -86,18 +88,17 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _kept_for_adapters(model) -> set[str]:
-    """Names (and name prefixes, ending in ".") that must keep their `.weight`: within each
-    peft tuner layer everything but its base layer (peft reads A's and B's weights), and the
-    base layer too where a variant such as DoRA reads it."""
+def _kept_for_adapters(model) -> set[int]:
+    """The ids of the modules that must keep their `.weight`: within each peft tuner layer
+    everything but its base layer (peft reads A's and B's weights), and the base layer too
+    where a variant such as DoRA reads it."""
     kept = set()
-    for name, module in model.named_modules():
+    for module in model.modules():
         if getattr(module, "adapter_layer_names", None) is None:  # not a peft tuner layer
             continue
-        for child_name, _ in module.named_children():
+        for child_name, child in module.named_children():
             if child_name != "base_layer" or getattr(module, "lora_variant", None):
-                kept.add(f"{name}.{child_name}")
-                kept.add(f"{name}.{child_name}.")
+                kept.update(id(part) for part in child.modules())
     return kept
 
 
