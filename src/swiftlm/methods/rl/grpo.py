@@ -49,7 +49,12 @@ from swiftlm.methods.rl.online import (
 )
 from swiftlm.methods.rl.packed_completions import packed_token_logps
 from swiftlm.methods.rl.rewards import RewardSet
-from swiftlm.methods.rl.samplers import check_sampler_layout, policy_sampler
+from swiftlm.methods.rl.samplers import (
+    check_sampler_layout,
+    one_process_layout,
+    policy_sampler,
+    refuse_given,
+)
 from swiftlm.methods.token import token_pads
 from swiftlm.models.attention import VARLEN
 
@@ -350,20 +355,16 @@ def _check_layout(cfg: RLHFConfig) -> None:
 def _check_async_layout(cfg: RLHFConfig) -> None:
     """--async_generate samples from a copy of the whole policy in a background thread of
     the one trainer process, on swiftlm's engine: refuse what that cannot be."""
-    d = cfg.dist
     refused = {
-        f"--nproc_per_node {d.nproc_per_node}": d.nproc_per_node > 1,
-        f"--nnodes {d.nnodes}": str(d.nnodes) != "1",
-        f"--strategy {d.strategy}": d.strategy not in ("auto", "single", "ddp"),
-        "--fsdp": bool(d.fsdp),
+        **one_process_layout(cfg),
+        "--fsdp": bool(cfg.dist.fsdp),
         "--infer_backend vllm": cfg.grpo.infer_backend == "vllm",
-        f"--quant_method {cfg.quant.quant_method}": cfg.quant.quant_method is not None,
     }
-    for flag, given in refused.items():
-        if given:
-            raise ConfigError(
-                f"{flag}: not available with --async_generate yet (the next generation is "
-                "sampled from a copy of the whole, unquantized policy in a background thread "
-                "of one trainer process, on swiftlm's engine); drop --async_generate or "
-                f"{flag.split()[0]}"
-            )
+    refuse_given(
+        refused,
+        lambda flag: (
+            f"{flag}: not available with --async_generate yet (the next generation "
+            "is sampled from a copy of the whole, unquantized policy in a background thread of "
+            f"one trainer process, on swiftlm's engine); drop --async_generate or {flag.split()[0]}"
+        ),
+    )

@@ -5,6 +5,7 @@ trainer's process (`vllm_rollout.VllmPolicySampler`) or behind a `swiftlm rollou
 samples, so the methods do not know which one runs."""
 
 import dataclasses
+from collections.abc import Callable
 
 from swiftlm.errors import ConfigError
 from swiftlm.methods.rl.online import sharded_by_fsdp2
@@ -34,21 +35,35 @@ def check_sampler_layout(cfg) -> None:
     if cfg.grpo.infer_backend != "vllm":
         _refuse_vllm_flags(cfg.grpo)
         return
-    d, tuner = cfg.dist, cfg.tuner
-    refused = {
+    train_type = cfg.tuner.train_type
+    refused = {**one_process_layout(cfg), f"--train_type {train_type}": train_type == "dora"}
+    refuse_given(
+        refused,
+        lambda flag: (
+            f"{flag}: not available with --infer_backend vllm yet (rollouts on vLLM "
+            "run for one trainer process, from its merged LoRA or full weights); use "
+            "--infer_backend pt"
+        ),
+    )
+
+
+def one_process_layout(cfg) -> dict[str, bool]:
+    """Per flag, whether it is set to what a sampler held by one trainer process, over the
+    unquantized policy, cannot serve: more processes, or a quantized base."""
+    d = cfg.dist
+    return {
         f"--nproc_per_node {d.nproc_per_node}": d.nproc_per_node > 1,
         f"--nnodes {d.nnodes}": str(d.nnodes) != "1",
         f"--strategy {d.strategy}": d.strategy not in ("auto", "single", "ddp"),
-        f"--train_type {tuner.train_type}": tuner.train_type == "dora",
         f"--quant_method {cfg.quant.quant_method}": cfg.quant.quant_method is not None,
     }
+
+
+def refuse_given(refused: dict[str, bool], message: Callable[[str], str]) -> None:
+    """Raise ConfigError with `message(flag)` for the first flag that is set."""
     for flag, given in refused.items():
         if given:
-            raise ConfigError(
-                f"{flag}: not available with --infer_backend vllm yet (rollouts on vLLM run "
-                "for one trainer process, from its merged LoRA or full weights); use "
-                "--infer_backend pt"
-            )
+            raise ConfigError(message(flag))
 
 
 def _refuse_vllm_flags(args) -> None:
