@@ -29,7 +29,11 @@ from infer_batch import chat_prompts  # noqa: E402
 from torch import nn  # noqa: E402
 
 from swiftlm.engine.build import build_engine  # noqa: E402
-from swiftlm.engine.packed_weights import PackedLinear, pack_linear_weights  # noqa: E402
+from swiftlm.engine.packed_weights import (  # noqa: E402
+    PackedLinear,
+    one_thread,
+    pack_linear_weights,
+)
 from swiftlm.engine.protocol import GenerationRequest, SamplingParams  # noqa: E402
 from swiftlm.models.loader import resolve_model  # noqa: E402
 
@@ -72,17 +76,14 @@ class ProjectionPart(nn.Module):
 
 def joined_and_packed(model) -> None:
     """Join each layer's q/k/v and gate/up (the default model is a Llama), then pack the rest.
-    On one thread, as packing does (`packed_weights._one_thread`: a second OpenMP team would
-    slow the engine's thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    for layer in model.model.layers:
-        for module_name, names in SIBLINGS.items():
-            module = getattr(layer, module_name)
-            joint = JointProduct([getattr(module, name) for name in names])
-            for index, name in enumerate(names):
-                setattr(module, name, ProjectionPart(joint, index))
-    torch.set_num_threads(threads)
+    On one thread, as packing does (`packed_weights.one_thread` says why)."""
+    with one_thread():
+        for layer in model.model.layers:
+            for module_name, names in SIBLINGS.items():
+                module = getattr(layer, module_name)
+                joint = JointProduct([getattr(module, name) for name in names])
+                for index, name in enumerate(names):
+                    setattr(module, name, ProjectionPart(joint, index))
     pack_linear_weights(model)
 
 

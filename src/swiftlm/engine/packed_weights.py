@@ -65,7 +65,7 @@ def pack_linear_weights(model) -> int:
         for name, module in model.named_modules()
         if type(module) is nn.Linear and id(module) not in kept
     ]
-    with _one_thread():
+    with one_thread():
         for name in targets:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
@@ -74,7 +74,7 @@ def pack_linear_weights(model) -> int:
 
 
 @contextmanager
-def _one_thread():
+def one_thread():
     """Reorder on the calling thread alone. A multi-threaded reorder would give this (loading)
     thread an OpenMP team of its own beside the one the engine's loop thread makes; with more
     OpenMP threads than cores, libgomp stops spinning between parallel regions, and every
