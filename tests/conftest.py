@@ -95,6 +95,43 @@ def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, tie: bool = 
     return model
 
 
+def make_tiny_moe(model_type: str, vocab_size: int, seed: int = 0):
+    """A seeded 2-layer mixture-of-experts model, hidden 64, 8 experts of width 32, top 2:
+    `qwen3_moe` (normalized top-k weights, q/k norms) or `mixtral` (sliding-window Mistral)."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.1,
+    )
+    if model_type == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=32, num_local_experts=8))
+    config = Qwen3MoeConfig(
+        **shape, intermediate_size=128, moe_intermediate_size=32, num_experts=8, norm_topk_prob=True
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """A saved tiny Qwen3-MoE (make_tiny_moe) with the ChatML BPE tokenizer."""
+    out = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    tokenizer = build_tokenizer(out)
+    make_tiny_moe("qwen3_moe", len(tokenizer)).save_pretrained(out)
+    return out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Tiny models run fastest on one thread, and 2-core CI machines are shared."""

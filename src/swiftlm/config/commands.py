@@ -147,7 +147,7 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "pt": {
         # Plain text cut into --max_length chunks: no chat, no truncation, no self-cognition
         # names, no images; --dataset_num_proc tokenizes local text into token shards.
-        "model": ("model", "torch_dtype", "device", "attn_impl"),
+        "model": ("model", "torch_dtype", "device", "attn_impl", "experts_impl"),
         "data": (
             "dataset", "val_dataset", "split_dataset_ratio", "max_length", "skip_bad_rows",
             "data_seed", "load_from_cache_file", "dataset_num_proc", "streaming",
@@ -163,7 +163,7 @@ READS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "rlhf": {
         # The loss is on each pair's last answer; there is no self-cognition data to fill in.
         # Pairs are preprocessed in the main process (--dataset_num_proc is sft's).
-        "model": ("model", "torch_dtype", "device", "attn_impl"),
+        "model": ("model", "torch_dtype", "device", "attn_impl", "experts_impl"),
         "data": (
             "dataset", "val_dataset", "split_dataset_ratio", "max_length",
             "truncation_strategy", "system", "skip_bad_rows", "data_seed",

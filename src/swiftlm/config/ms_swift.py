@@ -181,7 +181,6 @@ UNSUPPORTED = {
     "trainable_parameters": "train all with --train_type full and freeze with --freeze_parameters",
     "freeze_parameters_ratio": "give prefixes with --freeze_parameters",
     "warmup_steps": "give the warmup as a share of the steps with --warmup_ratio",
-    "router_aux_loss_coef": "MoE auxiliary losses are the model's own",
     "enable_dft_loss": "not available",
     "enable_channel_loss": "not available",
     # schedule, checkpoints, evaluation

@@ -122,6 +122,7 @@ def engine_for_model(
         spec.base_path,
         max_num_seqs=max_num_seqs,
         attn_impl=model_args.attn_impl,
+        experts_impl=model_args.experts_impl,
         prefix_cache_bytes=options.prefix_cache_memory * 2**20,
         speculation=Speculation(options.speculative_tokens) if options.speculative_tokens else None,
         packed_weights=options.packed_weights,
@@ -158,6 +159,7 @@ def build_engine(
     torch_dtype: str = "auto",
     device: str = "auto",
     attn_impl: str = "sdpa",
+    experts_impl: str = "grouped_mm",
     max_num_seqs: int = 32,
     max_model_len: int | None = None,
     prefill_chunk_tokens: int = 1024,
@@ -174,7 +176,7 @@ def build_engine(
     torch_device = pick_device(device)
     dtype = pick_dtype(torch_dtype, torch_device)
     tokenizer = load_tokenizer(tokenizer_path or model_path)
-    model = load_model(model_path, dtype, torch_device, attn_impl)
+    model = load_model(model_path, dtype, torch_device, attn_impl, experts_impl=experts_impl)
     model = apply_adapters(model, merge_adapters)
     model = load_named_adapters(model, adapters or {})
     pack_weights(model, packed_weights)

@@ -27,6 +27,12 @@ class ModelArguments:
         "Device. auto picks cuda > mps > cpu.", default="auto"
     )
     attn_impl: Literal["sdpa", "eager"] = doc("Attention implementation.", default="sdpa")
+    experts_impl: Literal["grouped_mm", "batched_mm", "eager"] = doc(
+        "Mixture-of-experts models: how the experts run (transformers' implementations). "
+        "grouped_mm sorts tokens by expert and runs one grouped GEMM; batched_mm gathers each "
+        "token's expert weights (memory grows with tokens); eager loops over experts.",
+        default="grouped_mm",
+    )
     model_name: str = doc(
         "Name the built-in self-cognition data teaches the model (fills {{NAME}}).",
         default="Swifty",

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from swiftlm.errors import ModelLoadError
+from swiftlm.models.moe import use_experts_implementation
 from swiftlm.models.templates import ensure_chat_template
 
 log = logging.getLogger(__name__)
@@ -301,6 +302,7 @@ def load_model(
     quantization=None,
     kind: str = CAUSAL_LM,
     pad_token_id: int | None = None,
+    experts_impl: str = "grouped_mm",
 ):
     """Load a causal LM or a vision-language model (or, with `kind` SEQUENCE_CLASSIFICATION, a reward model whose
     `score` head is new when `path` is a causal LM) with weights in `dtype` on `device`.
@@ -308,6 +310,8 @@ def load_model(
     `quantization`: a transformers quantization config (e.g. BitsAndBytesConfig); the
     weights it quantizes are converted while loading, directly on `device`.
     `pad_token_id`: the tokenizer's, for a reward model (its head finds each row's last token).
+    `experts_impl`: how a mixture-of-experts model runs its experts (models.moe); dense models
+    ignore it.
     """
     custom = registered_loader(str(path)) if MODEL_LOADERS else None
     if custom is not None:
@@ -331,4 +335,5 @@ def load_model(
             f"could not load model {path}: {exc}. Pass a local folder or .gguf file, or make "
             "sure the hub is reachable (HF_HUB_OFFLINE=1 blocks it)"
         ) from exc
+    use_experts_implementation(model, experts_impl)
     return model if quantization is not None else model.to(device)

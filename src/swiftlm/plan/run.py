@@ -84,8 +84,10 @@ def format_plan(plan: Plan) -> str:
     """The table a user reads, with the recommendation and the reasons under it."""
     shape, job, cluster = plan.shape, plan.job, plan.cluster
     kind = "full" if job.full else f"LoRA r={job.lora_rank}"
+    active = shape.total_params - shape.idle_expert_params
+    experts = f", {active / 1e6:.1f}M used per token" if shape.idle_expert_params else ""
     lines = [
-        f"Plan for {shape.name} ({shape.total_params / 1e6:.1f}M parameters, "
+        f"Plan for {shape.name} ({shape.total_params / 1e6:.1f}M parameters{experts}, "
         f"{shape.trainable_params / 1e6:.2f}M trained, {kind}), micro-batch {job.batch_size} x "
         f"{job.max_length} tokens, accumulation {job.grad_accum}, checkpointing "
         f"{'on' if job.checkpointing else 'off'}",

@@ -6,10 +6,11 @@ counted exactly by building the model on the meta device (sizes, no storage), wi
 adapters peft would add for --train_type lora.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swiftlm.errors import ConfigError, ModelLoadError
+from swiftlm.models.moe import expert_parameters, experts_per_token
 from swiftlm.tuners.config import TunerArguments
 
 
@@ -34,6 +35,9 @@ class ModelShape:
     layer_params: int  # one decoder block's base weights
     layer_trainable_params: int  # what trains in one decoder block
     checkpoint_bytes: float = 0.0  # the weight files a process reads when it loads the model
+    # Mixture of experts: the stacked expert weights a token does not compute with (all but
+    # top_k of each layer's experts). Memory holds them; a token's FLOPs do not count them.
+    idle_expert_params: int = 0
 
     @property
     def frozen_params(self) -> int:
@@ -91,25 +95,32 @@ def checkpoint_bytes(model: str | None, config, params: int) -> float:
     return (2.0 if "16" in dtype else 4.0) * params
 
 
-def count_parameters(config, tuner: TunerArguments) -> tuple[int, int]:
-    """(all, trainable) parameters of the model swiftlm would train, built on the meta
-    device: exact, including what peft adds for LoRA/DoRA."""
+def _meta_model(config):
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except ValueError as exc:  # transformers: no causal-LM class for this config
         raise ModelLoadError(
             f"the planner cannot build a {config.model_type} model as a causal LM ({exc})"[:300]
         ) from None
+
+
+def count_parameters(config, tuner: TunerArguments) -> tuple[int, int]:
+    """(all, trainable) parameters of the model swiftlm would train, built on the meta
+    device: exact, including what peft adds for LoRA/DoRA."""
+    model = _meta_model(config)
     if tuner.train_type != "full":
         from peft import get_peft_model
 
         from swiftlm.tuners.setup import build_lora_config
 
-        model = get_peft_model(model, build_lora_config(tuner))
+        # Dropout adds no parameter (and peft refuses it on stacked MoE experts, which the
+        # run itself reports): count with none.
+        counted = replace(tuner, lora_dropout=0.0)
+        model = get_peft_model(model, build_lora_config(counted))
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
@@ -135,6 +146,13 @@ def model_shape(
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total, trainable = count_parameters(config, tuner)
+    experts, top_k = experts_per_token(config)
+    idle_experts = 0
+    if experts:  # a token runs top_k experts: their width is its MLP's
+        stacked, active = expert_parameters(_meta_model(config))
+        idle_experts = stacked - active
+        width = getattr(text, "moe_intermediate_size", None) or intermediate
+        intermediate = width * top_k + (getattr(text, "shared_expert_intermediate_size", 0) or 0)
     embedding = text.vocab_size * hidden
     base = _base_parameters(config)
     head = 0 if tied else embedding
@@ -158,6 +176,7 @@ def model_shape(
         layer_params=layer,
         layer_trainable_params=layer if tuner.train_type == "full" else adapters // layers,
         checkpoint_bytes=stored_bytes,
+        idle_expert_params=idle_experts,
     )
 
 

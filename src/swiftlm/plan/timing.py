@@ -47,8 +47,9 @@ def flops_per_token(shape: ModelShape, job: Job) -> float:
     """Training FLOPs per token (the formula of monitor/mfu.py, from the shape): 2 per matmul
     weight forward plus causal attention, backward twice the forward when all weights train,
     else the forward (activation gradients) plus the adapters' weight gradients; checkpointing
-    adds a forward."""
+    adds a forward. A mixture-of-experts token computes with its top_k experts only."""
     outside = shape.embedding_params + shape.head_params + shape.hidden_size
+    outside += shape.idle_expert_params
     matmul = shape.total_params - outside + shape.vocab_size * shape.hidden_size  # + the head
     forward = 2 * matmul + 2 * shape.num_layers * shape.hidden_size * job.max_length
     backward = 2 * forward if job.full else forward + 2 * shape.trainable_params

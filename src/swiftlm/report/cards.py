@@ -33,6 +33,7 @@ GROUPS = (
     ("step_time", "Where the step time goes"),
     ("distributed", "Distributed"),
     ("gradients", "Gradient health"),
+    ("moe", "Mixture of experts"),
     ("anomalies", "Anomalies"),
     ("data_health", "Data health"),
     ("method", "Method metrics"),
@@ -194,6 +195,49 @@ PLOTS: dict[str, tuple[str, str, Callable[[list[RunData]], go.Figure | None], st
 }
 
 
+# name -> (title, builder, note) of the router plots, shown for runs of MoE models.
+ROUTER_PLOTS: dict[str, tuple[str, Callable[[list[RunData]], go.Figure | None], str]] = {
+    "router_load": (
+        "Load per expert (latest window)",
+        figs.router_load_heatmap,
+        "Share of routed slots x experts: 1 is an even load, a bright cell an overloaded "
+        "expert, a dark one an expert the router starves.",
+    ),
+    "router_load_max": (
+        "Most loaded expert",
+        lambda runs: figs.line_figure(runs, ("router_load_max",), "share x experts", zero=True),
+        "The largest expert share of any layer times the number of experts (1 = even).",
+    ),
+    "router_entropy": (
+        "Router entropy",
+        lambda runs: figs.line_figure(runs, ("router_entropy",), "nats", zero=True),
+        "Mean entropy of the routers' distributions: log(experts) is uniform, 0 is one expert.",
+    ),
+    "router_aux_loss": (
+        "Load-balancing loss",
+        lambda runs: figs.line_figure(runs, ("router_aux_loss",), "aux loss"),
+        "transformers' load-balancing loss (top_k when the load is even); trained with "
+        "--router_aux_loss_coef > 0.",
+    ),
+    "router_z_loss": (
+        "Router z loss",
+        lambda runs: figs.line_figure(runs, ("router_z_loss",), "z loss", zero=True),
+        "Mean squared log-sum-exp of the router logits (ST-MoE); large values mean logits "
+        "growing without bound. Logged, not trained.",
+    ),
+}
+
+
+def router_cards(runs: list[RunData]) -> list[Card]:
+    """The router plots, for runs of mixture-of-experts models only."""
+    if not any("router_entropy" in row for run in runs for row in run.train):
+        return []
+    return [
+        plot_card(name, "moe", title, build(runs), note)
+        for name, (title, build, note) in ROUTER_PLOTS.items()
+    ]
+
+
 def method_keys(runs: list[RunData]) -> list[str]:
     """Numeric keys without a plot of their own (a method's rewards, KL, eval metrics ...), in
     the order first logged."""
@@ -201,7 +245,7 @@ def method_keys(runs: list[RunData]) -> list[str]:
     for run in runs:
         for row in run.train + run.eval:
             for key, value in row.items():
-                plain = key not in KNOWN_KEYS and not key.startswith(("time/", "share/"))
+                plain = key not in KNOWN_KEYS and not key.startswith(("time/", "share/", "router_"))
                 if plain and is_number(value) and key not in keys:
                     keys.append(key)
     return keys
@@ -266,6 +310,7 @@ def build_cards(runs: list[RunData]) -> list[Card]:
     cards = text_cards(runs)
     for name, (group, title, build, note) in PLOTS.items():
         cards.append(plot_card(name, group, title, build(runs), note))
+    cards += router_cards(runs)
     cards += data_health_cards(runs)
     cards += method_cards(runs)
     order = [group for group, _ in GROUPS]

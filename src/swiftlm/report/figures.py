@@ -308,6 +308,31 @@ def grad_norm_heatmap(runs: list[RunData]) -> go.Figure | None:
     return rows_of_heatmaps(runs, grad_norm_heatmap_trace, "layer group", log_colorbar)
 
 
+def router_load_trace(run: RunData) -> go.Heatmap | None:
+    """Each MoE layer's share of routed slots per expert (x) in the last logged window;
+    colour = share x experts, so 1 is an even load whatever the number of experts."""
+    rows = [r for r in run.train if isinstance(r.get("router_expert_load"), dict)]
+    if not rows:
+        return None
+    layers = rows[-1]["router_expert_load"]
+    shares = [[finite(v) for v in layers[name]] for name in layers]
+    experts = max(len(line) for line in shares)
+    return go.Heatmap(
+        x=list(range(experts)),
+        y=list(layers),
+        z=[[v * experts if v is not None else None for v in line] for line in shares],
+        customdata=shares,
+        zmin=0,
+        colorscale="Viridis",
+        name=f"step {rows[-1]['step']}",
+        hovertemplate="expert %{x}, %{y}: %{customdata:.1%} of slots<extra></extra>",
+    )
+
+
+def router_load_heatmap(runs: list[RunData]) -> go.Figure | None:
+    return rows_of_heatmaps(runs, router_load_trace, "MoE layer", x_title="expert")
+
+
 def histogram_trace(run: RunData) -> go.Heatmap | None:
     """The latest gradient histogram: bins of log10|g| (x) by layer group (y), colour =
     log10(1 + count) so that thin tails (vanishing or exploding values) still show."""

@@ -95,6 +95,12 @@ class TrainArguments:
         "kernels (pip install 'swiftlm[liger]').",
         default=False,
     )
+    router_aux_loss_coef: float = doc(
+        "Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' "
+        "definition) added to the training loss; 0 leaves it out. Router health is logged "
+        "either way.",
+        default=0.0,
+    )
     torch_compile: bool = doc(
         "Compile each decoder layer with torch.compile (slow first steps, faster after).",
         default=False,
@@ -121,6 +127,7 @@ class TrainArguments:
             adam_epsilon=at_least(0),
             max_grad_norm=at_least(0, note="0 disables clipping"),
             max_tokens_per_batch=at_least(0, note="0: a fixed --per_device_train_batch_size"),
+            router_aux_loss_coef=at_least(0, note="0 leaves the load-balancing loss out"),
         )
 
 

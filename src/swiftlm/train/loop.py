@@ -23,7 +23,8 @@ from swiftlm.data.prefetch import Prepared, prefetch_steps
 from swiftlm.distributed.heartbeat import Heartbeat
 from swiftlm.distributed.strategy import Strategy
 from swiftlm.losses.causal_lm import shifted_labels
-from swiftlm.methods.base import Layout, Method, StepContext
+from swiftlm.methods.base import Layout, LossOutput, Method, StepContext
+from swiftlm.models.moe import RouterRecorder
 from swiftlm.monitor.config import MonitorArguments
 from swiftlm.monitor.metrics import MetricsLogger, Progress, peak_memory_gib
 from swiftlm.train import batching
@@ -67,6 +68,7 @@ class TrainingJob:
     best: BestCheckpoint | None = None  # --metric_for_best_model
     checkpoint_tiers: object | None = None  # checkpoint.tiers.Tiers, set on resume
     callbacks: TrainCallbacks | None = None  # plugins' callbacks, set by run_training
+    routers: RouterRecorder | None = None  # a mixture-of-experts model's routers
 
 
 class Precision:
@@ -177,8 +179,10 @@ def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with strategy.no_sync(job.model, sync=last):
-            with observer.phase("forward"), precision.autocast():
+            with observer.phase("forward"), precision.autocast(), _recording(job.routers):
                 loss_sum, metrics = method.loss(job.model, _to_device(batch, job.device))
+            if job.routers is not None:
+                loss_sum, metrics = _with_routers(job, batch, loss_sum, metrics)
             step_scale = scale.to(device=loss_sum.device, dtype=loss_sum.dtype)
             with observer.backward(last_micro_batch=last):
                 strategy.backward(precision.scale(loss_sum * step_scale), last_micro_batch=last)
@@ -188,6 +192,30 @@ def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]
     names = sorted(metric_sums)
     sums = torch.stack([local_loss, *(metric_sums[name].to(local_loss.device) for name in names)])
     return _read_step(job, counts, sums, names)
+
+
+def _recording(routers: RouterRecorder | None):
+    return routers.recording() if routers is not None else nullcontext()
+
+
+def _with_routers(job: TrainingJob, batch: dict, loss_sum, metrics) -> LossOutput:
+    """A mixture-of-experts model: the routers' figures of this micro-batch join its metrics,
+    weighted by the method's normalizer as its loss is (so each is logged as a mean over the
+    step), and --router_aux_loss_coef x the load-balancing loss joins the loss the same way."""
+    stats = job.routers.take()
+    if stats is None:  # the method ran no routed forward with gradients
+        return loss_sum, metrics
+    weight = torch.as_tensor(job.method.normalizer(batch)).to(loss_sum)
+    job.observer.add_router_counts(stats.counts)
+    metrics = {
+        **metrics,
+        "router_aux_loss": stats.aux.detach() * weight,
+        "router_z_loss": stats.z_loss.detach() * weight,
+        "router_entropy": stats.entropy.detach() * weight,
+    }
+    if job.args.router_aux_loss_coef:
+        loss_sum = loss_sum + job.args.router_aux_loss_coef * stats.aux.to(loss_sum) * weight
+    return loss_sum, metrics
 
 
 def _read_step(job: TrainingJob, counts, sums: torch.Tensor, names: list[str]) -> StepResult:

@@ -40,6 +40,7 @@ class Observer:
         self.exposed_s = 0.0  # communication backward waited for, this log window
         self.peak_bus = self._probe_link()
         self._cpu = _CpuClock()
+        self.router_counts: torch.Tensor | None = None  # [layers, experts], this log window
 
     def _probe_link(self) -> float | None:
         probe = getattr(self.job.strategy, "probe_link", None)
@@ -66,6 +67,11 @@ class Observer:
                 exposed = self.comm_timer.exposed_since(time.perf_counter(), started)
                 self.exposed_s += exposed
                 self.timer.add("collective", exposed, out_of="backward")
+
+    def add_router_counts(self, counts: torch.Tensor) -> None:
+        """A micro-batch's slots routed to each expert of each MoE layer (stays on device)."""
+        seen = self.router_counts
+        self.router_counts = counts if seen is None else seen + counts
 
     def step_begin(self, step: int) -> None:
         if self.step == 0:  # the loop's setup is not part of the first step
@@ -102,7 +108,26 @@ class Observer:
         if self.ctx.distributed:
             row.update(self._ranks_row(row["time/step_s"]))
         row["anomalies"] = self.anomalies.count
+        row.update(self._router_row())
         return row
+
+    def _router_row(self) -> dict:
+        """Each MoE layer's share of routed slots per expert over the window (all ranks), and
+        the most loaded expert's share times the number of experts (1 = even load)."""
+        counts, self.router_counts = self.router_counts, None
+        if counts is None:
+            return {}
+        if self.ctx.distributed:
+            dist.all_reduce(counts)
+        shares = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+        names = self.job.routers.layer_names
+        return {
+            "router_load_max": round(float(shares.max() * shares.shape[-1]), 4),
+            "router_expert_load": {
+                name: [round(v, 5) for v in line]
+                for name, line in zip(names, shares.tolist(), strict=True)
+            },
+        }
 
     def _comm_row(self, bytes_per_step: int | None, steps: int) -> dict:
         if self.comm_timer is None:

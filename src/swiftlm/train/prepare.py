@@ -191,6 +191,7 @@ def prepare_model(
     compute_dtype: torch.dtype,
     kind: str = CAUSAL_LM,
     pad_token_id: int | None = None,
+    log=print,
 ):
     """Load the model as `kind` (the method's `model_kind`: a causal LM, or a reward model
     that needs the tokenizer's `pad_token_id`) and make the tuner's parameters trainable
@@ -209,7 +210,14 @@ def prepare_model(
     # QLoRA: the frozen Linear weights load quantized, their matmuls run in the compute dtype.
     quantization = bnb_config(cfg.quant, compute_dtype) if cfg.quant.quant_method else None
     model = load_model(
-        model_path, weight_dtype, device, attention, quantization, kind, pad_token_id
+        model_path,
+        weight_dtype,
+        device,
+        attention,
+        quantization,
+        kind,
+        pad_token_id,
+        experts_impl=cfg.model.experts_impl,
     )
     if quantization is not None:
         model = prepare_for_quantized_training(model)

@@ -19,6 +19,7 @@ from swiftlm.errors import SwiftLMError
 from swiftlm.methods.base import complete_method
 from swiftlm.methods.registry import METHODS
 from swiftlm.models.loader import pick_device, pick_dtype, resolve_model
+from swiftlm.models.moe import build_router_recorder, describe_moe, is_moe
 from swiftlm.models.quant import describe_bnb
 from swiftlm.monitor.loggers import check_loggers_installed
 from swiftlm.monitor.metrics import format_summary, write_summary
@@ -82,15 +83,12 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     evaluator = build_generation_evaluator(cfg, tokenizer, strategy, method)
     set_seed(cfg.train.seed)  # the same initial weights on every rank
     model = prepare_model(
-        cfg, resolved.path, device, compute_dtype, method.model_kind, tokenizer.pad_token_id
+        cfg, resolved.path, device, compute_dtype, method.model_kind, tokenizer.pad_token_id, log
     )
-    trainable, total = count_parameters(model)
-    log(
-        f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
-        f"({100 * trainable / total:.2f}%)"
+    _describe_model(cfg, model, log)
+    routers = build_router_recorder(
+        model, cfg.train.router_aux_loss_coef, strategy.pipeline_parallel, resolved.requested
     )
-    if cfg.quant.quant_method:
-        log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
     method.prepare_model(model, log)
     train_data, val_data = method.prepare_samples(model, train_data, val_data, log)
     if cfg.train.per_device_train_batch_size == AUTO_BATCH_SIZE:  # needs the model
@@ -130,10 +128,24 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
         log=log,
         evaluator=evaluator,
         best=BestCheckpoint(cfg.evaluation) if cfg.evaluation.metric_for_best_model else None,
+        routers=routers,
     )
     summary = _train_and_save(job)
     log(format_summary(summary))
     return summary
+
+
+def _describe_model(cfg: TrainConfig, model, log) -> None:
+    """What trains: the parameter counts, a QLoRA base, a mixture-of-experts model's experts."""
+    trainable, total = count_parameters(model)
+    log(
+        f"{cfg.tuner.train_type}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / total:.2f}%)"
+    )
+    if cfg.quant.quant_method:
+        log(f"QLoRA: frozen base in {describe_bnb(cfg.quant)}, adapters in float32")
+    if is_moe(model):
+        log(describe_moe(model))
 
 
 def _train_and_save(job: TrainingJob) -> dict:

@@ -47,7 +47,15 @@ def apply_tuner(model, args: TunerArguments, kind: str = CAUSAL_LM, vision_type:
     try:
         return get_peft_model(model, build_lora_config(args, kind, parts))
     except ValueError as exc:  # peft says which target modules it could not find
-        raise ConfigError(f"--target_modules {' '.join(args.target_modules)}: {exc}") from None
+        targets = " ".join(args.target_modules)
+        if "lora_dropout" in str(exc):  # peft's LoRA on stacked MoE expert weights
+            raise ConfigError(
+                f"--lora_dropout {args.lora_dropout}: --target_modules {targets} reaches the "
+                "stacked expert (or router) weights of this mixture-of-experts model, whose "
+                "LoRA in peft takes no dropout; pass --lora_dropout 0, or name only attention "
+                "modules (--target_modules q_proj k_proj v_proj o_proj)"
+            ) from None
+        raise ConfigError(f"--target_modules {targets}: {exc}") from None
 
 
 def freeze_parameters(model, prefixes: list[str]) -> None:
