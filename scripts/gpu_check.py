@@ -7,7 +7,8 @@ written to one JSON file (issue 32). On a GPU machine, through `scripts/gpu_chec
 2. `pytest -m gpu tests/gpu`: passed, failed, skipped.
 3. SFT: a 0.5B Qwen2-shaped model (Qwen2.5-0.5B's config, random weights, a BPE tokenizer
    trained here: no hub), full-parameter bf16, 30 steps, packing, the fused loss, SDPA; its
-   tokens/s and MFU against the device's bf16 peak (swiftlm's own summary.json).
+   tokens/s and MFU against the device's bf16 peak (swiftlm's own summary.json); then the same
+   run with `--fp8_recipe tensorwise` (torchao float8: native on sm89+, emulated elsewhere).
 4. DPO and GRPO on the same model, 10 steps each (benchmarks/alignment.py's settings: LoRA r 8
    on all linear layers), tokens/s and step time; DPO also with TRL in the same run where TRL
    imports, alternating, and the ratio of median step times (> 1: swiftlm faster).
@@ -188,15 +189,16 @@ def swiftlm(*args: str) -> list[str]:
     return [sys.executable, "-m", "swiftlm", *args]
 
 
-def sft(model: Path, data: Path, out: Path, s: dict) -> dict:
+def sft(model: Path, data: Path, out: Path, s: dict, *flags: str) -> dict:
+    """Full bf16 SFT with packing; `flags` add to it (the FP8 part's --fp8_recipe)."""
     command = swiftlm(
         "sft", "--model", str(model), "--dataset", str(data), "--output_dir", str(out),
         "--train_type", "full", "--torch_dtype", "bfloat16", "--packing", "true",
         "--max_length", str(s["sft_length"]), "--per_device_train_batch_size", str(s["sft_batch"]),
         "--max_steps", str(s["sft_steps"]), "--attn_impl", "sdpa", "--gradient_checkpointing",
-        "false", "--logging_steps", "1", "--save_steps", "100000", "--report_to", "none",
+        "false", "--logging_steps", "1", "--save_steps", "100000", "--report_to", "none", *flags,
     )  # fmt: skip
-    result = run(command, out.parent / "sft.log", s["timeout"])
+    result = run(command, out.parent / f"{out.name}.log", s["timeout"])
     return {**result, **_summary(out)}
 
 
@@ -316,6 +318,8 @@ def main() -> int:
     part("model", lambda: build_model(model, s["model"]) or {"folder": str(model), **s["model"]})
     data = sft_data(work / "sft.jsonl", 400, s["sft_length"] // 8)
     part("sft", lambda: sft(model, data, work / "sft", s))
+    # FP8 (torchao float8, tensorwise scales) against the bf16 run above: tokens/s and MFU.
+    part("sft_fp8", lambda: sft(model, data, work / "sft_fp8", s, "--fp8_recipe", "tensorwise"))
     tools = ("swiftlm", "trl") if trl_missing() is None else ("swiftlm",)
     dpo = alignment.dpo_commands(str(model), alignment.dpo_data(work), s["rl_steps"], "bf16")
     part("dpo", lambda: {**rl_part("dpo", dpo, work, s, tools), "trl_missing": trl_missing()})

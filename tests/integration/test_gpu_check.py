@@ -34,6 +34,7 @@ def test_every_part_ran_and_reported_its_figures(report):
     assert report["model"]["num_hidden_layers"] == 2
     assert report["sft"]["steps"] == 3 and report["sft"]["tokens_per_second"] > 0
     assert 0 < report["sft"]["mfu"] < 1
+    assert report["sft_fp8"]["steps"] == 3 and report["sft_fp8"]["tokens_per_second"] > 0
     for part in ("dpo", "grpo"):
         run = report[part]["swiftlm"]
         assert run["exit_code"] == 0 and run["steps"] == 4 and run["median_step_s"] > 0

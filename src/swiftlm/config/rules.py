@@ -356,6 +356,26 @@ QLORA_RULES = (
     ),
 )
 
+# ---- training: FP8 (models/fp8.py) ------------------------------------------------------------
+
+FP8_RULES = (
+    Rule(
+        "fp8_not_on_a_quantized_base",
+        lambda c, f: c.train.fp8_recipe is not None and _quantized(c),
+        "--fp8_recipe {fp8_recipe} with --quant_method {quant_method}: the frozen base is "
+        "already quantized by bitsandbytes, whose layers float8 cannot convert; drop one",
+    ),
+    Rule(
+        "fp8_without_deepspeed_or_tensor_parallel",
+        lambda c, f: (
+            c.train.fp8_recipe is not None and (deepspeed(c.dist) or tensor_parallel(c.dist))
+        ),
+        "--fp8_recipe {fp8_recipe} with DeepSpeed or tensor parallelism: float8 layers need "
+        "their own sharding rules there, which swiftlm does not apply; use DDP (the default "
+        "with --nproc_per_node) or --fsdp fsdp2",
+    ),
+)
+
 # ---- infer ------------------------------------------------------------------------------------
 
 # Both commands load their model through `checkpoint/resolve.py`, which reads one of the two.
@@ -397,6 +417,7 @@ RULES: dict[type, tuple[Rule, ...]] = {
     + PIPELINE_RULES
     + ENGINE_RULES
     + QLORA_RULES
+    + FP8_RULES
     + TRAIN_EVAL_RULES
     + STREAMING_RULES,
     InferConfig: INFER_RULES,

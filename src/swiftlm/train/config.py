@@ -95,6 +95,13 @@ class TrainArguments:
         "kernels (pip install 'swiftlm[liger]').",
         default=False,
     )
+    fp8_recipe: Literal["tensorwise", "rowwise"] | None = doc(
+        "FP8 training of the decoder's linear layers (torchao float8, ms-swift's flag name): "
+        "dynamic scales per tensor or per row. The LM head and layers whose dims are not "
+        "multiples of 16 stay in high precision; without an FP8 GPU (sm89+) the float8 "
+        "matmuls are emulated (numerics, not speed). Needs torchao (swiftlm[quant]).",
+        default=None,
+    )
     router_aux_loss_coef: float = doc(
         "Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' "
         "definition) added to the training loss; 0 leaves it out. Router health is logged "

@@ -23,6 +23,7 @@ from swiftlm.errors import ConfigError
 from swiftlm.methods.base import Method
 from swiftlm.methods.vision import PACKABLE, VisionInputs
 from swiftlm.models.attention import training_attention
+from swiftlm.models.fp8 import apply_fp8_training
 from swiftlm.models.liger import apply_liger_kernels
 from swiftlm.models.loader import CAUSAL_LM, load_model, load_tokenizer
 from swiftlm.models.quant import bnb_config, prepare_for_quantized_training
@@ -222,6 +223,8 @@ def prepare_model(
     if quantization is not None:
         model = prepare_for_quantized_training(model)
     model.config.use_cache = False
+    if cfg.train.fp8_recipe:
+        log(apply_fp8_training(model, cfg.train.fp8_recipe, device))
     if cfg.train.use_liger_kernel:
         apply_liger_kernels(model, device)
     model = apply_tuner(model, cfg.tuner, kind, vision_language_type(model_path) or "")
