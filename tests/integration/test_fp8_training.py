@@ -5,7 +5,12 @@ import pytest
 
 from conftest import logged, stopped_at, tiny_sft
 from swiftlm.cli.main import main
-from tolerance import assert_same_weights
+from tolerance import (
+    assert_close,
+    assert_same_weights,
+    assert_trained_weights_close,
+    forward_terms,
+)
 
 FULL = dict(train_type="full", max_steps=4, save_steps=2, learning_rate="1e-3", lora_dropout=0)
 
@@ -44,3 +49,22 @@ def test_fp8_on_a_quantized_base_is_refused(tiny_model_dir, chat_jsonl, tmp_path
     assert main(argv) == 2
     error = capsys.readouterr().err
     assert "--fp8_recipe rowwise with --quant_method bnb" in error and "drop one" in error
+
+
+@pytest.mark.numerics
+def test_fp8_two_ranks_match_one_process(tiny_model_dir, chat_jsonl, tmp_path):
+    """DDP over 2 gloo ranks with float8 layers = one process accumulating the same two
+    micro-batches: float8 scales are per micro-batch tensor, the same on both sides."""
+    flags = dict(FULL, fp8_recipe="tensorwise", per_device_train_batch_size=2, save_steps=4)
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert (
+        main(tiny_sft(tiny_model_dir, chat_jsonl, single, **flags, gradient_accumulation_steps=2))
+        == 0
+    )
+    argv = tiny_sft(tiny_model_dir, chat_jsonl, ddp, **flags, nproc_per_node=2, master_port=29535)
+    assert main(argv) == 0
+    assert_close(logged(ddp), logged(single), terms=forward_terms(tokens=64) + 2, what="loss")
+    weights = "model.safetensors"
+    assert_trained_weights_close(
+        single / "final" / weights, ddp / "final" / weights, learning_rate=1e-3, steps=4
+    )

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import logged, tiny_sft
 from swiftlm.cli.main import main
-from tolerance import assert_close, forward_terms
+from tolerance import assert_close, assert_trained_weights_close, forward_terms
 
 RUN = dict(max_steps=3, lora_dropout=0, per_device_train_batch_size=4, learning_rate="1e-3")
 
@@ -65,3 +65,29 @@ def test_router_loss_on_a_dense_model_is_refused(tiny_model_dir, chat_jsonl, tmp
     error = _error_of(capsys, argv)
     assert "--router_aux_loss_coef 0.1:" in error
     assert "has no mixture-of-experts routers; drop it" in error
+
+
+@pytest.mark.numerics
+def test_two_ranks_match_one_process_with_the_router_loss(tiny_moe_dir, chat_jsonl, tmp_path):
+    """2 gloo ranks of 2 samples = one process accumulating 2 micro-batches of 2: each rank's
+    micro-batch is one of the single process's, so even the load-balancing loss (not linear
+    in its micro-batch) agrees, as do the expert loads summed over the ranks."""
+    flags = dict(RUN, router_aux_loss_coef=0.5, learning_rate="1e-2", max_steps=4)
+    flags["per_device_train_batch_size"] = 2
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert (
+        main(tiny_sft(tiny_moe_dir, chat_jsonl, single, **flags, gradient_accumulation_steps=2))
+        == 0
+    )
+    argv = tiny_sft(tiny_moe_dir, chat_jsonl, ddp, **flags, nproc_per_node=2, master_port=29533)
+    assert main(argv) == 0
+    terms = forward_terms(64, intermediate=32) + 2  # + the all-reduce of two ranks' sums
+    for key in ("loss", "router_aux_loss", "router_entropy"):
+        assert_close(logged(ddp, key), logged(single, key), terms=terms, what=key)
+    # Step 1 routes the same tokens with the same weights: the same slots, summed over ranks.
+    # (Later steps' weights differ by rounding, which may flip a near-tied top-k pick.)
+    assert logged(ddp, "router_expert_load")[0] == logged(single, "router_expert_load")[0]
+    adapter = "adapter_model.safetensors"
+    assert_trained_weights_close(
+        single / "final" / adapter, ddp / "final" / adapter, learning_rate=1e-2, steps=4
+    )
