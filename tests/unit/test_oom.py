@@ -78,7 +78,8 @@ def test_the_summary_names_the_memory_the_largest_blocks_and_what_to_change():
     assert "--per_device_train_batch_size auto" in steps[0]
     assert "--gradient_checkpointing true" in steps[1] and "--train_type lora" in steps[2]
     assert "--torch_dtype bfloat16" in steps[3] and "fsdp2" in steps[4] and "zero3" in steps[4]
-    assert steps[5].startswith("  6. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    assert "--sequence_parallel_size N" in steps[5]
+    assert steps[6].startswith("  7. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
 def test_high_fragmentation_puts_expandable_segments_first():

@@ -164,7 +164,6 @@ UNSUPPORTED = {
     "padding_side": "training pads on the right; the engine needs no padding",
     "packing_length": "packed rows are --max_length long",
     "packing_strategy": "packing is best-fit decreasing",
-    "sequence_parallel_size": "sequence parallelism is not available; lower --max_length",
     # tuners and optimizer
     "init_weights": "LoRA starts from peft's default initialisation",
     "target_regex": "give module name suffixes with --target_modules",

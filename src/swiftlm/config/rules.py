@@ -7,7 +7,7 @@ naming the flags and the fix (later rules may assume that earlier ones hold).
 from typing import Any
 
 from swiftlm.config.checks import Facts, Rule
-from swiftlm.config.commands import EvalConfig, ExportConfig, InferConfig, TrainConfig
+from swiftlm.config.commands import EvalConfig, ExportConfig, InferConfig, RLHFConfig, TrainConfig
 from swiftlm.config.rules_eval import EVAL_RULES, TRAIN_EVAL_RULES
 from swiftlm.config.rules_export import (
     BNB_BITS_RULE,
@@ -356,6 +356,39 @@ QLORA_RULES = (
     ),
 )
 
+# ---- training: sequence parallel (distributed/sequence_parallel.py) ---------------------------
+
+
+def _sequence_parallel(c: Any) -> bool:
+    return c.dist.sequence_parallel_size > 1
+
+
+SEQUENCE_PARALLEL_RULES = (
+    Rule(
+        "sequence_parallel_divides_world",
+        lambda c, f: _sequence_parallel(c) and f.world_size % c.dist.sequence_parallel_size != 0,
+        "--sequence_parallel_size {sequence_parallel_size} must divide the number of processes "
+        "({world_size}): the rest of the world forms data-parallel groups; launch a multiple "
+        "of it with --nproc_per_node",
+    ),
+    Rule(
+        "sequence_parallel_for_token_losses",
+        lambda c, f: _sequence_parallel(c) and isinstance(c, RLHFConfig),
+        "--sequence_parallel_size {sequence_parallel_size} with swiftlm rlhf: preference and RL "
+        "losses need each sequence's whole log-probability, which sequence shards would have "
+        "to gather first (not built yet); sft and pt take it",
+    ),
+    Rule(
+        "sequence_parallel_alone",
+        lambda c, f: (
+            _sequence_parallel(c)
+            and (tensor_parallel(c.dist) or pipeline(c.dist) or deepspeed(c.dist))
+        ),
+        "--sequence_parallel_size {sequence_parallel_size} with tensor, pipeline or DeepSpeed "
+        "parallelism: sequence shards run beside DDP (the default) or --fsdp fsdp2 only",
+    ),
+)
+
 # ---- training: FP8 (models/fp8.py) ------------------------------------------------------------
 
 FP8_RULES = (
@@ -418,6 +451,7 @@ RULES: dict[type, tuple[Rule, ...]] = {
     + ENGINE_RULES
     + QLORA_RULES
     + FP8_RULES
+    + SEQUENCE_PARALLEL_RULES
     + TRAIN_EVAL_RULES
     + STREAMING_RULES,
     InferConfig: INFER_RULES,

@@ -76,6 +76,14 @@ class DistArguments:
         "sharded by FSDP2 on the same mesh.",
         default=1,
     )
+    sequence_parallel_size: int = doc(
+        "Sequence parallel (DeepSpeed-Ulysses, ms-swift's flag): each sample's tokens are cut "
+        "into this many shards, one per process, and attention swaps sequence shards for head "
+        "shards (all-to-all) so each process attends the whole sequence with 1/N of the "
+        "heads. sft and pt; heads must divide by N. The other processes form data-parallel "
+        "groups.",
+        default=1,
+    )
     pipeline_parallel_size: int = doc(
         "Split the decoder blocks into this many pipeline stages (1F1B schedule over the "
         "--gradient_accumulation_steps micro-batches; full or LoRA). The other processes form "
@@ -147,6 +155,7 @@ class DistArguments:
             node_rank=at_least(0),
             master_port=within(0, 65535),
             tensor_parallel_size=at_least(1, note="1: off"),
+            sequence_parallel_size=at_least(1, note="1: off"),
             pipeline_parallel_size=at_least(1, note="1: off"),
             fsdp=custom(
                 lambda v: v in FSDP_SPELLINGS,

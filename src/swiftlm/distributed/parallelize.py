@@ -1,6 +1,6 @@
 """Parallelisms as ordered functions applied to one DeviceMesh (torchtitan's `parallelize`):
 
-    tensor parallel -> activation checkpointing -> compile -> FSDP2 or DDP
+    tensor parallel -> sequence parallel -> activation checkpointing -> compile -> FSDP2 or DDP
 
 Each step changes the model in place (DDP wraps it) and leaves parameter names as they were,
 so checkpoints, adapters and state dicts see the usual modules. The order matters: TP turns
@@ -17,6 +17,7 @@ from torch import nn
 from swiftlm.distributed.ddp import apply_ddp
 from swiftlm.distributed.fsdp2 import apply_fsdp2
 from swiftlm.distributed.mesh import ParallelDims
+from swiftlm.distributed.sequence_parallel import apply_sequence_parallel
 from swiftlm.distributed.tp import apply_tensor_parallel
 from swiftlm.errors import ConfigError
 
@@ -43,12 +44,15 @@ def parallelize(
         apply_activation_checkpointing(model)
     if options.compile:
         compile_decoder_layers(model)
+    if dims.sp > 1:
+        apply_sequence_parallel(model, mesh["sp"])
     vision = vision_modules(model)
-    if dims.dp > 1 and dims.data_parallel == "fsdp2":
-        apply_fsdp2(model, mesh["dp"], device, options.compute_dtype, options.fsdp_offload, vision)
-    elif dims.dp > 1:
+    reduced = dims.gradient_mesh(mesh) if dims.gradient_ranks > 1 else None
+    if reduced is not None and dims.data_parallel == "fsdp2":
+        apply_fsdp2(model, reduced, device, options.compute_dtype, options.fsdp_offload, vision)
+    elif reduced is not None:
         trains_vision = any(p.requires_grad for m in vision for p in m.parameters())
-        model = apply_ddp(model, mesh["dp"], device, find_unused_parameters=trains_vision)
+        model = apply_ddp(model, reduced, device, find_unused_parameters=trains_vision)
     return model
 
 

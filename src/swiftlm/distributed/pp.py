@@ -1,7 +1,7 @@
 """Pipeline parallel with `torch.distributed.pipelining`: each rank of a pipeline holds one
 stage (pp_stage.py), and a 1F1B schedule streams the step's micro-batches through them.
 
-On the mesh ("pp", "dp", "tp") a pipeline is one column of the "pp" dimension; with more
+On the mesh ("pp", "dp", "sp", "tp"; sp is 1 under pipeline parallel) a pipeline is one column of the "pp" dimension; with more
 ranks than stages, each data-parallel replica runs its own pipeline on its own slice of the
 data, and a stage's gradients are reduced over its replicas (the "dp" dimension) by DDP or
 FSDP2, which the schedule drives itself (`parallelize` wraps the stage like a whole model).
@@ -113,6 +113,7 @@ class PipelineParallelStrategy:
         self.micro_batches, self.rows, self.width = shape
         self.pp_rank, self.dp_rank, _ = dims.coordinates(ctx.rank)
         self.dp_size = dims.dp
+        self.sp_rank, self.sp_size = 0, 1
         self.mesh = self.schedule = self.model = self.full_model = None
         self.names: dict[str, str] = {}  # stage parameter name -> name in the full model
         self.step_loss: StepLoss | None = None

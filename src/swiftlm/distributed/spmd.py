@@ -47,6 +47,7 @@ class SPMDStrategy:
         self.writer, self.staging = BackgroundWriter(), Staging()  # replicated async saves
         _, self.dp_rank, _ = dims.coordinates(ctx.rank)
         self.dp_size = dims.dp
+        self.sp_rank, self.sp_size = dims.sp_rank(ctx.rank), dims.sp
         # FSDP2: modules a rank may skip (a vision-language model's vision parts)
         self.skipped = SkippedModules()
 
@@ -57,7 +58,7 @@ class SPMDStrategy:
         mesh = self.dims.build_mesh(self.device.type)
         model = parallelize(model, self.dims, mesh, self.device, self.options)
         self.comm_stats = compress_gradients(model, self.args)
-        if self.dims.dp > 1 and self.dims.data_parallel == "fsdp2":
+        if self.dims.gradient_ranks > 1 and self.dims.data_parallel == "fsdp2":
             self.skipped = SkippedModules(vision_modules(model))
         return model
 

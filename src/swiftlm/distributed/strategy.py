@@ -29,6 +29,9 @@ class Strategy(Protocol):
     ctx: DistContext
     dp_rank: int  # this rank's data-parallel slice (its index on the mesh's "dp" dimension)
     dp_size: int  # number of data-parallel slices
+    # Sequence parallel: this rank's shard of each sample's tokens, of sp_size shards (1: off)
+    sp_rank: int
+    sp_size: int
     pipeline_parallel: bool  # True: the loop calls pipeline_step instead of its own micro-batches
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -84,15 +87,15 @@ class Strategy(Protocol):
 def plan_parallelism(args: DistArguments, world_size: int) -> ParallelDims:
     """The mesh the flags ask for. The flags' combinations are checked beforehand, once, by
     `config.rules.check` (which the training command runs first)."""
-    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    pp, tp, sp = args.pipeline_parallel_size, args.tensor_parallel_size, args.sequence_parallel_size
     if args.deepspeed is not None:  # its engine also runs a world of one
         return ParallelDims(dp=world_size, data_parallel="deepspeed")
     if world_size == 1:
         return ParallelDims()  # a world of one has nothing to distribute
     pp = world_size if args.strategy == "pp" and pp == 1 else pp
     tp = world_size if args.strategy == "tp" and tp == 1 else tp
-    dp = world_size // (pp * tp)
-    return ParallelDims(pp=pp, dp=dp, tp=tp, data_parallel=_data_parallel(args, tp, dp))
+    dp = world_size // (pp * tp * sp)
+    return ParallelDims(pp=pp, dp=dp, tp=tp, sp=sp, data_parallel=_data_parallel(args, tp, dp))
 
 
 def _data_parallel(args: DistArguments, tp: int, dp: int) -> str:

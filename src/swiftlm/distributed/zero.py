@@ -101,6 +101,7 @@ class DeepSpeedStrategy:
         self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
         self.engine = None
         self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
+        self.sp_rank, self.sp_size = 0, 1
 
     def __str__(self) -> str:
         ranks = "rank" if self.ctx.world_size == 1 else "ranks"

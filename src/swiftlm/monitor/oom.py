@@ -263,6 +263,8 @@ def suggestions(fragmented: bool) -> list[str]:
         "--torch_dtype bfloat16 if the run computes in float32",
         "shard across GPUs: --nproc_per_node N with --strategy fsdp2 (add --fsdp_offload true) "
         "or --deepspeed zero3 (zero3_offload to use CPU memory)",
+        "long rows: --sequence_parallel_size N with --nproc_per_node N cuts each row's tokens "
+        "(activations, logits) into N shards, one per GPU",
     ]
     alloc_conf = (
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment: lets the cache "

@@ -30,6 +30,7 @@ def wants_plan(cfg, command: str) -> bool:
         and d.fsdp is None
         and d.tensor_parallel_size == 1
         and d.pipeline_parallel_size == 1
+        and d.sequence_parallel_size == 1  # the plan does not model sequence shards: DDP
         and d.nproc_per_node * node_range(d.nnodes)[1] > 1
         and node_range(d.nnodes)[0] == node_range(d.nnodes)[1]  # elastic jobs stay DDP
         and cfg.train.per_device_train_batch_size >= 1

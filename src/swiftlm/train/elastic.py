@@ -47,11 +47,15 @@ class BatchShape:
 
 
 def data_parallel(flags, world_size: int) -> int:
-    """The data-parallel ranks of a run: its processes over its tensor and pipeline stages.
-    `flags`: a TrainConfig, or the flat flags of a saved one."""
+    """The data-parallel ranks of a run: its processes over its tensor, sequence and pipeline
+    groups (which each read one rank's rows). `flags`: a TrainConfig, or the flat flags of a
+    saved one."""
     if isinstance(flags, TrainConfig):
         flags = flag_values(flags)
-    split = (flags.get("tensor_parallel_size") or 1) * (flags.get("pipeline_parallel_size") or 1)
+    names = ("tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel_size")
+    split = 1
+    for name in names:
+        split *= flags.get(name) or 1
     return max(world_size // split, 1)
 
 

@@ -21,6 +21,7 @@ import torch
 from swiftlm.data.encode import IGNORE_INDEX
 from swiftlm.data.prefetch import Prepared, prefetch_steps
 from swiftlm.distributed.heartbeat import Heartbeat
+from swiftlm.distributed.sequence_parallel import shard_sequence
 from swiftlm.distributed.strategy import Strategy
 from swiftlm.losses.causal_lm import shifted_labels
 from swiftlm.methods.base import Layout, LossOutput, Method, StepContext
@@ -111,18 +112,30 @@ def rank_batches(job: TrainingJob, step_batches: list[GlobalBatch]) -> list[dict
         if plan.padding_free:  # every sample of the micro-batch in one row
             samples = [[s for row in samples for s in row]]
         packed = plan.packs is not None or plan.padding_free
-        batches.append(job.method.collate(Layout(rows=samples, packed=packed)))
+        batches.append(
+            _sequence_shard(job, job.method.collate(Layout(rows=samples, packed=packed)))
+        )
     return batches
+
+
+def _sequence_shard(job: TrainingJob, batch: dict) -> dict:
+    """Sequence parallel: this rank's shard of the micro-batch its group shares."""
+    strategy = job.strategy
+    if strategy.sp_size == 1:
+        return batch
+    pads = {**job.method.token_pads, "token_mask": 0}
+    return shard_sequence(batch, strategy.sp_rank, strategy.sp_size, pads)
 
 
 def _data_sum(job: TrainingJob, values: torch.Tensor) -> torch.Tensor:
     """Sum per-rank figures (float64) over the data: ranks that share a batch (tensor or
-    pipeline parallel) hold the same values, so the world sum counts them once per replica.
-    One collective, and the result stays where the collective left it (no host read)."""
+    pipeline parallel) hold the same values, so the world sum counts them once per replica
+    (sequence-parallel ranks hold shards of it, each counted). One collective, and the result
+    stays where the collective left it (no host read)."""
     strategy = job.strategy
     if not strategy.ctx.distributed:
         return values
-    replicas = strategy.ctx.world_size // strategy.dp_size
+    replicas = strategy.ctx.world_size // (strategy.dp_size * strategy.sp_size)
     with job.observer.phase("collective"):
         return strategy.ctx.all_reduce_tensor(values) / replicas
 
@@ -156,8 +169,9 @@ def _input_tokens(batch: dict) -> torch.Tensor:
 def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]) -> StepResult:
     """Accumulate the gradients of one optimizer step.
 
-    Data-parallel wrappers average gradients over ranks, so each loss is also multiplied by
-    their number: the result is the gradient of the global mean loss.
+    Data-parallel wrappers average gradients over ranks (the replicas and, under sequence
+    parallel, their shards), so each loss is also multiplied by their number: the result is
+    the gradient of the global mean loss.
 
     Loss and metric sums accumulate as tensors on the device; the step reads them back to
     the host once, after its last backward (`_read_step`): no micro-batch waits for the
@@ -166,7 +180,7 @@ def forward_backward(job: TrainingJob, precision: Precision, batches: list[dict]
     strategy, method, observer = job.strategy, job.method, job.observer
     counts = _step_counts(job, batches)
     divisor = torch.where(counts[0] > 0, counts[0], 1.0)
-    scale = strategy.dp_size / divisor
+    scale = strategy.dp_size * strategy.sp_size / divisor
     if strategy.pipeline_parallel:  # the schedule owns forward and backward
         with observer.phase("forward"):
             # Pipeline schedules run stage by stage on the host: a Python scale costs nothing.
@@ -324,7 +338,7 @@ def evaluate(job: TrainingJob, precision: Precision) -> dict[str, float]:
     normalizer = torch.zeros((), dtype=torch.float64)
     for i in range(0, most, size):
         rows = [[sample] for sample in mine[i : i + size]] or [[masked]]
-        batch = method.collate(Layout(rows=rows, packed=False))
+        batch = _sequence_shard(job, method.collate(Layout(rows=rows, packed=False)))
         with precision.autocast():
             batch_loss, metrics = method.evaluate(job.model, _to_device(batch, job.device))
         for name, value in {"loss": batch_loss, **metrics}.items():

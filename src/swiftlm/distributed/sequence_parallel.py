@@ -1,0 +1,140 @@
+"""Sequence parallel, DeepSpeed-Ulysses style (`--sequence_parallel_size N`).
+
+The N ranks of a sequence-parallel group read the same micro-batch and each keeps one shard of
+its tokens (`shard_sequence`), so activations, logits and the loss of a long sequence are
+split N ways. Everything but attention works token by token; attention needs the whole
+sequence, so around it (`ulysses_attention`) an all-to-all swaps the shards: each rank gives
+away all but 1/N of the heads of its shard and receives its 1/N of the heads for the whole
+sequence, attends, and swaps back. Heads and key/value heads must divide by N.
+
+The shards and the shift of causal LM losses. A loss pairs the logits at t with the label at
+t + 1, so the last position of a shard needs the first label of the next shard. Each shard
+therefore holds L + 1 tokens (L = ceil(T / N)): its own L and one *look-ahead*, the next
+shard's first token, which only lends its label. The look-ahead is left out of attention (its
+keys and values would count twice in the gathered sequence) and its output is zero; the logit
+it produces is the one a loss drops after the shift. Its masks are 0, so token counts see each
+token once, and every label is a target on exactly one rank: the losses of the N shards sum
+to the loss of the whole sequence, with positions (RoPE) and packed samples' boundaries read
+from the global position ids.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from swiftlm.errors import ConfigError
+
+ULYSSES = "swiftlm_ulysses"
+SEQUENCE_MASKS = ("attention_mask", "token_mask")
+
+
+def _padded(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
+    return F.pad(tensor, (0, width - tensor.shape[1]), value=value)
+
+
+def shard_sequence(batch: dict, rank: int, size: int, pads: dict) -> dict:
+    """Rank `rank`'s shard of a collated causal-LM batch of rows [B, T]: tokens
+    [rank * L, rank * L + L] (with the look-ahead), the rows padded with `pads` (input ids,
+    labels, masks) to N * L + 1. Position ids come along (made 0..T-1 when absent)."""
+    width = batch["input_ids"].shape[1]
+    length = -(-width // size)
+    total = length * size + 1
+    batch = dict(batch)
+    if "position_ids" not in batch:
+        batch["position_ids"] = torch.arange(width).expand(batch["input_ids"].shape[0], width)
+    shard = {}
+    for name, tensor in batch.items():
+        if not (
+            isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] == width
+        ):
+            shard[name] = tensor
+            continue
+        if name == "position_ids":  # the padding continues each row's positions
+            extra = tensor[:, -1:] + torch.arange(1, total - width + 1)
+            full = torch.cat([tensor, extra], dim=1)
+        elif name in pads or name in SEQUENCE_MASKS:
+            full = _padded(tensor, total, pads.get(name, 0))
+        else:
+            raise ConfigError(
+                f"--sequence_parallel_size {size}: the batch's `{name}` column has no known "
+                "padding, so it cannot be cut into sequence shards"
+            )
+        shard[name] = full[:, rank * length : rank * length + length + 1].clone()
+        if name in SEQUENCE_MASKS:
+            shard[name][:, -1] = 0  # the look-ahead is the next shard's token
+    return shard
+
+
+def _sequence_to_heads(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    """[B, H, L, D] of this rank's shard -> [B, H/N, N*L, D]: its head group, all shards."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    b, h, length, d = tensor.shape
+    out = tensor.reshape(b, size, h // size, length, d).transpose(0, 1).contiguous()
+    out = wait_tensor(all_to_all_single_autograd(out, None, None, group))
+    return out.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * length, d)
+
+
+def _heads_to_sequence(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+    """[B, H/N, N*L, D] -> [B, H, L, D]: every head, this rank's shard."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    b, h, total, d = tensor.shape
+    length = total // size
+    out = tensor.reshape(b, h, size, length, d).permute(2, 0, 1, 3, 4).contiguous()
+    out = wait_tensor(all_to_all_single_autograd(out, None, None, group))
+    return out.transpose(0, 1).reshape(b, size * h, length, d)
+
+
+def _gathered_positions(position_ids: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Every shard's position ids [B, L] of the group, in rank order: [B, N*L]."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(position_ids) for _ in range(size)]
+    dist.all_gather(parts, position_ids.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention interface over a sequence shard (q, k, v [B, heads, L + 1, D],
+    after RoPE): all-to-all to head shards of the whole sequence, causal SDPA there (per
+    sample for packed rows, `models.attention.varlen_sdpa_attention`), all-to-all back.
+    Returns ([B, L + 1, heads, D], None); the look-ahead's output is zero."""
+    from swiftlm.models.attention import varlen_sdpa_attention
+
+    group = module.sequence_parallel_group
+    size = group.size()
+    position_ids = kwargs.pop("position_ids")
+    q, k, v = (_sequence_to_heads(t[:, :, :-1], group, size) for t in (query, key, value))
+    positions = _gathered_positions(position_ids[:, :-1], group, size)
+    output, _ = varlen_sdpa_attention(module, q, k, v, None, position_ids=positions, **kwargs)
+    output = _heads_to_sequence(output.transpose(1, 2), group, size).transpose(1, 2)
+    return F.pad(output, (0, 0, 0, 0, 0, 1)), None
+
+
+def register_ulysses_attention() -> None:
+    """Make `swiftlm_ulysses` a valid attn_implementation (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ULYSSES, ulysses_attention)
+    AttentionMaskInterface.register(ULYSSES, sdpa_mask)  # built for the shard, not read
+
+
+def apply_sequence_parallel(model: torch.nn.Module, sp_mesh) -> None:
+    """Run `model`'s attention as Ulysses over the group of `sp_mesh` (heads checked)."""
+    from swiftlm.distributed.parallelize import decoder_layers
+
+    group, size = sp_mesh.get_group(), sp_mesh.size()
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise ConfigError(
+            f"--sequence_parallel_size {size}: the model has {heads} attention heads and "
+            f"{kv_heads} key/value heads, and Ulysses gives each rank 1/{size} of both; choose "
+            "a size that divides both"
+        )
+    register_ulysses_attention()
+    for layer in decoder_layers(model):
+        layer.self_attn.sequence_parallel_group = group
+    model.config._attn_implementation = ULYSSES

@@ -1,0 +1,66 @@
+"""Sequence parallel (`--sequence_parallel_size 2`, Ulysses) over 2 gloo ranks equals one
+process on the same micro-batches, in every layout, and resumes exactly."""
+
+import pytest
+
+from conftest import logged, stopped_at, tiny_sft
+from swiftlm.cli.main import main
+from tolerance import assert_close, assert_same_weights, assert_trained_weights_close, forward_terms
+
+ADAPTER = "adapter_model.safetensors"
+RUN = dict(lora_dropout=0, learning_rate="1e-2", max_steps=4, per_device_train_batch_size=4)
+# Rows of at most 64 tokens; + 2 for the two ranks' sums of each figure and the all-to-all's
+# reordering of attention over the whole sequence.
+TERMS = forward_terms(tokens=64) + 2
+
+
+def _pair(model, data, tmp_path, port, **flags):
+    single, shards = tmp_path / "single", tmp_path / "sp"
+    assert main(tiny_sft(model, data, single, **RUN, **flags)) == 0
+    argv = tiny_sft(
+        model, data, shards, **RUN, **flags, nproc_per_node=2, sequence_parallel_size=2,
+        master_port=port,
+    )  # fmt: skip
+    assert main(argv) == 0
+    return single, shards
+
+
+@pytest.mark.numerics
+def test_two_sequence_shards_match_one_process_and_resume_exactly(
+    tiny_model_dir, chat_jsonl, tmp_path, capfd
+):
+    single, shards = _pair(tiny_model_dir, chat_jsonl, tmp_path, 29551, save_steps=2)
+    assert "x 2 (sequence parallel 2" in capfd.readouterr().out  # rank 0's log line
+    assert_close(logged(shards), logged(single), terms=TERMS, what="loss")
+    # Each label is a target on exactly one shard: the counts are the whole rows'.
+    assert logged(shards, "label_tokens") == logged(single, "label_tokens")
+    assert_trained_weights_close(
+        single / "final" / ADAPTER, shards / "final" / ADAPTER, learning_rate=1e-2, steps=4
+    )
+    resumed = stopped_at(shards, 2, tmp_path / "resumed")
+    again = dict(
+        RUN, save_steps=2, nproc_per_node=2, sequence_parallel_size=2, master_port=29552,
+        resume_from_checkpoint="auto",
+    )  # fmt: skip
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, resumed, **again)) == 0
+    assert logged(resumed) == logged(shards)
+    assert_same_weights(shards / "final" / ADAPTER, resumed / "final" / ADAPTER)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "layout",
+    [dict(padding_free="false"), dict(packing="true", max_length=128)],
+    ids=["padded", "packed"],
+)
+def test_padded_and_packed_rows_are_sharded_as_whole_sequences(
+    layout, tiny_model_dir, chat_jsonl, tmp_path
+):
+    """Padded rows: causal attention over the gathered row keeps pads out of real tokens.
+    Packed rows: samples' boundaries come from the gathered position ids, so no token attends
+    across a sample even where a sample spans both shards."""
+    port = 29553 if "packing" in layout else 29554
+    single, shards = _pair(tiny_model_dir, chat_jsonl, tmp_path, port, **layout)
+    terms = forward_terms(tokens=128 if "packing" in layout else 64) + 2
+    assert_close(logged(shards), logged(single), terms=terms, what="loss")
+    assert logged(shards, "label_tokens") == logged(single, "label_tokens")
