@@ -77,3 +77,14 @@ def test_sequence_parallel_rules():
     assert "sequence_parallel_alone" in _broken(tp, 4)
     rlhf = _broken(["--sequence_parallel_size", "2"], 2, RLHFConfig)
     assert "sequence_parallel_for_token_losses" in rlhf
+
+
+def test_generation_during_training_is_refused_under_sequence_parallel():
+    """Rank 0 alone cannot generate: every attention layer waits on the group's all-to-all."""
+    from types import SimpleNamespace
+
+    from swiftlm.distributed.mesh import ParallelDims
+    from swiftlm.train.evaluation import whole_model_on_each_rank
+
+    assert whole_model_on_each_rank(SimpleNamespace(dims=ParallelDims(dp=2)))
+    assert not whole_model_on_each_rank(SimpleNamespace(dims=ParallelDims(sp=2)))

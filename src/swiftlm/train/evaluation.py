@@ -44,10 +44,10 @@ class GenerationEvaluator:
 
 
 def whole_model_on_each_rank(strategy) -> bool:
-    """One process or DDP: rank 0 holds the whole model and can generate alone. FSDP2, tensor
-    and pipeline parallel and DeepSpeed need every rank in each forward pass."""
+    """One process or DDP: rank 0 holds the whole model and can generate alone. FSDP2, tensor,
+    sequence and pipeline parallel and DeepSpeed need every rank in each forward pass."""
     dims = getattr(strategy, "dims", None)
-    return dims is not None and not dims.sharded and dims.pp == 1
+    return dims is not None and not dims.sharded and dims.pp == 1 and dims.sp == 1
 
 
 def build_generation_evaluator(cfg, tokenizer, strategy, method) -> GenerationEvaluator | None:
@@ -63,7 +63,7 @@ def build_generation_evaluator(cfg, tokenizer, strategy, method) -> GenerationEv
     if not whole_model_on_each_rank(strategy):
         raise ConfigError(
             f"--eval_dataset during training runs on one process or DDP; this run ({strategy}) "
-            "splits the model over ranks. Evaluate its checkpoints with `swiftlm eval "
+            "splits the model (or its sequences) over ranks. Evaluate its checkpoints with `swiftlm eval "
             "--ckpt_dir RUN/checkpoints/step-N` instead"
         )
     placeholders = {"{{NAME}}": cfg.model.model_name, "{{AUTHOR}}": cfg.model.model_author}
