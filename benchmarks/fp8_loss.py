@@ -23,34 +23,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
+from seeded_llama import save_seeded_llama  # noqa: E402
 
 
 def build_model(folder: Path) -> Path:
-    if (folder / "config.json").is_file():
-        return folder
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from swiftlm.models.loader import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_seeded_llama(
+        folder, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    )  # fmt: skip
 
 
 def losses(model: Path, out: Path, steps: int, recipe: str | None) -> list[float]:
