@@ -109,9 +109,11 @@ def test_recorded_router_loss_equals_the_models_own(model_type):
 
 def test_flops_count_only_the_experts_a_token_uses():
     model = make_tiny_moe("qwen3_moe", VOCAB)
-    total, active = expert_parameters(model)
+    total, active, trained = expert_parameters(model)
     assert total == 2 * 8 * (2 * 32 * 64 + 64 * 32)  # layers x experts x (gate_up + down)
-    assert active == total * 2 // 8
+    assert active == total * 2 // 8 and trained == active  # all weights train here
+    model.requires_grad_(False)
+    assert expert_parameters(model) == (total, active, 0)
     dense, _ = linear_parameters(model)
     attention_and_head = sum(
         m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
@@ -143,7 +145,7 @@ def test_the_planner_holds_every_expert_and_times_only_the_routed_ones():
     from swiftlm.tuners.config import TunerArguments
 
     model = make_tiny_moe("qwen3_moe", VOCAB)
-    stacked, active = expert_parameters(model)
+    stacked, active, _ = expert_parameters(model)
     full = model_shape(model.config, TunerArguments(train_type="full"), "tiny-moe")
     assert full.total_params == sum(p.numel() for p in model.parameters())
     assert full.idle_expert_params == stacked - active

@@ -30,8 +30,6 @@ import torch.nn.functional as F
 
 from swiftlm.errors import ConfigError
 
-EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
-
 
 def router_source(model: torch.nn.Module):
     """transformers' declaration of where `model`'s router logits come from (an
@@ -70,18 +68,20 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def use_experts_implementation(model: torch.nn.Module, name: str) -> None:
-    """Run `model`'s experts with implementation `name` (one of EXPERTS_IMPLEMENTATIONS);
-    a dense model is left as it is (transformers refuses to set one on it)."""
+    """Run `model`'s experts with implementation `name` (a `--experts_impl` value); a dense
+    model is left as it is (transformers refuses to set one on it)."""
     if expert_modules(model):
         model.set_experts_implementation(name)
 
 
-def expert_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(all expert weights, the share of them one token uses): the per-token work of the
-    experts is top_k / experts of their weights."""
-    experts, top_k = experts_per_token(model.config)
-    total = sum(p.numel() for m in expert_modules(model) for p in m.parameters(recurse=False))
-    return total, (total * top_k // experts if experts else 0)
+def expert_parameters(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(all expert weights, the share of them one token uses, of which trainable): the
+    per-token work of the experts is top_k / experts of their weights."""
+    experts, top_k = experts_per_token(model.config) if hasattr(model, "config") else (0, 0)
+    weights = [p for m in expert_modules(model) if experts for p in m.parameters(recurse=False)]
+    total = sum(p.numel() for p in weights)
+    trained = sum(p.numel() for p in weights if p.requires_grad)
+    return total, total * top_k // max(experts, 1), trained * top_k // max(experts, 1)
 
 
 @dataclass
@@ -214,7 +214,7 @@ def build_router_recorder(
 def describe_moe(model: torch.nn.Module) -> str:
     """One log line: experts, routing and the experts implementation of an MoE model."""
     experts, top_k = experts_per_token(model.config)
-    total, active = expert_parameters(model)
+    total, active, _ = expert_parameters(model)
     implementation = getattr(model.config, "_experts_implementation", None) or "eager"
     return (
         f"mixture of experts: {len(routers(model))} routed layers, {experts} experts, top "

@@ -34,7 +34,7 @@ def linear_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(all, trainable) weights of the matmuls one token runs: linear layers, the LM head
     (tied or not) and, in a mixture-of-experts model, the share top_k / experts of the stacked
     expert weights (only the experts a token is routed to compute for it)."""
-    from swiftlm.models.moe import expert_modules, experts_per_token
+    from swiftlm.models.moe import expert_parameters
     from swiftlm.models.quant import logical_numel  # 4-bit weights pack two per byte
 
     total = trainable = 0
@@ -43,13 +43,8 @@ def linear_parameters(model: torch.nn.Module) -> tuple[int, int]:
         if isinstance(module, torch.nn.Linear) and weight is not None:
             total += logical_numel(weight)
             trainable += logical_numel(weight) if weight.requires_grad else 0
-    experts, top_k = experts_per_token(model.config) if hasattr(model, "config") else (0, 0)
-    for module in expert_modules(model) if experts else []:
-        for weight in module.parameters(recurse=False):
-            active = weight.numel() * top_k // experts
-            total += active
-            trainable += active if weight.requires_grad else 0
-    return total, trainable
+    _, active, active_trained = expert_parameters(model)
+    return total + active, trainable + active_trained
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int, recompute: bool = False) -> float:

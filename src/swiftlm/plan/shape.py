@@ -146,15 +146,12 @@ def model_shape(
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     tied = bool(getattr(config, "tie_word_embeddings", False))
     total, trainable = count_parameters(config, tuner)
+    base, idle_experts = _base_parameters(config)
     experts, top_k = experts_per_token(config)
-    idle_experts = 0
     if experts:  # a token runs top_k experts: their width is its MLP's
-        stacked, active = expert_parameters(_meta_model(config))
-        idle_experts = stacked - active
         width = getattr(text, "moe_intermediate_size", None) or intermediate
         intermediate = width * top_k + (getattr(text, "shared_expert_intermediate_size", 0) or 0)
     embedding = text.vocab_size * hidden
-    base = _base_parameters(config)
     head = 0 if tied else embedding
     layer = (base - embedding - head - hidden) // layers  # the final norm: `hidden`
     adapters = total - base
@@ -180,5 +177,9 @@ def model_shape(
     )
 
 
-def _base_parameters(config) -> int:
-    return count_parameters(config, TunerArguments(train_type="full"))[0]
+def _base_parameters(config) -> tuple[int, int]:
+    """(the base model's parameters, the stacked expert weights a token leaves idle), from
+    one meta-device model."""
+    model = _meta_model(config)
+    stacked, active, _ = expert_parameters(model)
+    return sum(p.numel() for p in model.parameters()), stacked - active

@@ -123,8 +123,7 @@ def _sequence_shard(job: TrainingJob, batch: dict) -> dict:
     strategy = job.strategy
     if strategy.sp_size == 1:
         return batch
-    pads = {**job.method.token_pads, "token_mask": 0}
-    return shard_sequence(batch, strategy.sp_rank, strategy.sp_size, pads)
+    return shard_sequence(batch, strategy.sp_rank, strategy.sp_size, job.method.token_pads)
 
 
 def _data_sum(job: TrainingJob, values: torch.Tensor) -> torch.Tensor:
