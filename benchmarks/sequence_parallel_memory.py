@@ -1,5 +1,5 @@
 """How long a sequence trains at a fixed memory per rank: one process against sequence parallel
-over 2 processes (`--sequence_parallel_size 2`, Ulysses), side by side in one run.
+over 2 processes (`--sequence_parallel_size 2`, Ulysses and ring), side by side in one run.
 
     python benchmarks/sequence_parallel_memory.py [--lengths 2048 4096 8192 16384]
 
@@ -41,7 +41,10 @@ def write_corpus(path: Path, tokens_needed: int) -> Path:
     return path
 
 
-def peak_gib(model: Path, corpus: Path, out: Path, length: int, shards: int, port: int) -> float:
+LAYOUTS = {"one process": None, "Ulysses 2": "ulysses", "ring 2": "ring"}
+
+
+def peak_gib(model: Path, corpus: Path, out: Path, length: int, impl, port: int) -> float:
     shutil.rmtree(out, ignore_errors=True)
     argv = [
         sys.executable, "-m", "swiftlm", "pt", "--model", str(model), "--dataset", str(corpus),
@@ -49,12 +52,12 @@ def peak_gib(model: Path, corpus: Path, out: Path, length: int, shards: int, por
         "1", "--max_steps", "2", "--logging_steps", "1", "--report_to", "none",
         "--save_steps", "100", "--split_dataset_ratio", "0", "--lora_dropout", "0",
     ]  # fmt: skip
-    if shards > 1:
-        argv += ["--nproc_per_node", str(shards), "--sequence_parallel_size", str(shards)]
-        argv += ["--master_port", str(port)]
+    if impl is not None:
+        argv += ["--nproc_per_node", "2", "--sequence_parallel_size", "2"]
+        argv += ["--sequence_parallel_impl", impl, "--master_port", str(port)]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"length {length}, {shards} shard(s) failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"length {length}, {impl or 'one process'} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return max(row["memory_gib"] for row in rows if "memory_gib" in row)
 
@@ -81,24 +84,21 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     model = build_model(args.work / "model")
     corpus = write_corpus(args.work / "corpus.jsonl", 4 * max(args.lengths))
-    peaks: dict[int, list[float]] = {1: [], 2: []}
+    peaks: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     for length in args.lengths:
-        for shards in (1, 2):
-            peak = peak_gib(model, corpus, args.work / "run", length, shards, 29571)
-            peaks[shards].append(peak)
-            print(f"max_length {length:6d}, {shards} process(es): peak {peak:.2f} GiB per rank")
-    budget = peaks[1][args.lengths.index(args.budget_length)]
-    print("\n| --max_length | 1 process, GiB | sequence parallel 2, GiB per rank |")
-    print("|---|---|---|")
+        for name, impl in LAYOUTS.items():
+            peak = peak_gib(model, corpus, args.work / "run", length, impl, 29571)
+            peaks[name].append(peak)
+            print(f"max_length {length:6d}, {name}: peak {peak:.2f} GiB per rank")
+    budget = peaks["one process"][args.lengths.index(args.budget_length)]
+    print("\n| --max_length | " + " | ".join(f"{name}, GiB per rank" for name in LAYOUTS) + " |")
+    print("|---|" + "---|" * len(LAYOUTS))
     for index, length in enumerate(args.lengths):
-        print(f"| {length} | {peaks[1][index]:.2f} | {peaks[2][index]:.2f} |")
-    single = longest_within(args.lengths, peaks[1], budget)
-    shards = longest_within(args.lengths, peaks[2], budget)
-    print(
-        f"\nbudget {budget:.2f} GiB per rank (one process at {args.budget_length}): longest "
-        f"length one process {single:.0f}, sequence parallel 2 {shards:.0f} "
-        f"({shards / single:.2f}x)"
-    )
+        print(f"| {length} | " + " | ".join(f"{peaks[n][index]:.2f}" for n in LAYOUTS) + " |")
+    longest = {name: longest_within(args.lengths, peaks[name], budget) for name in LAYOUTS}
+    single = longest["one process"]
+    ratios = ", ".join(f"{n} {v:.0f} ({v / single:.2f}x)" for n, v in longest.items())
+    print(f"\nbudget {budget:.2f} GiB per rank (one process at {args.budget_length}): {ratios}")
 
 
 if __name__ == "__main__":

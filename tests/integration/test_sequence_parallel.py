@@ -1,5 +1,5 @@
-"""Sequence parallel (`--sequence_parallel_size 2`, Ulysses) over 2 gloo ranks equals one
-process on the same micro-batches, in every layout, and resumes exactly."""
+"""Sequence parallel (`--sequence_parallel_size 2`, Ulysses and ring) over 2 gloo ranks equals
+one process on the same micro-batches, in every layout, and resumes exactly."""
 
 import pytest
 
@@ -48,19 +48,23 @@ def test_two_sequence_shards_match_one_process_and_resume_exactly(
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("impl", ["ulysses", "ring"])
 @pytest.mark.parametrize(
     "layout",
     [dict(padding_free="false"), dict(packing="true", max_length=128)],
     ids=["padded", "packed"],
 )
 def test_padded_and_packed_rows_are_sharded_as_whole_sequences(
-    layout, tiny_model_dir, chat_jsonl, tmp_path
+    layout, impl, tiny_model_dir, chat_jsonl, tmp_path, capfd
 ):
     """Padded rows: causal attention over the gathered row keeps pads out of real tokens.
     Packed rows: samples' boundaries come from the gathered position ids, so no token attends
     across a sample even where a sample spans both shards."""
-    port = 29553 if "packing" in layout else 29554
-    single, shards = _pair(tiny_model_dir, chat_jsonl, tmp_path, port, **layout)
+    port = 29553 + 2 * ("packing" in layout) + (impl == "ring")
+    single, shards = _pair(
+        tiny_model_dir, chat_jsonl, tmp_path, port, **layout, sequence_parallel_impl=impl
+    )
+    assert f"sequence parallel 2: {impl} attention" in capfd.readouterr().out
     terms = forward_terms(tokens=128 if "packing" in layout else 64) + 2
     assert_close(logged(shards), logged(single), terms=terms, what="loss")
     assert logged(shards, "label_tokens") == logged(single, "label_tokens")

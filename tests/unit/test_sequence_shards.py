@@ -8,7 +8,11 @@ from swiftlm.config import RLHFConfig, TrainConfig, parse_config
 from swiftlm.config.checks import Facts
 from swiftlm.config.rules import failures
 from swiftlm.data.encode import IGNORE_INDEX
-from swiftlm.distributed.sequence_parallel import apply_sequence_parallel, shard_sequence
+from swiftlm.distributed.sequence_parallel import (
+    apply_sequence_parallel,
+    resolve_impl,
+    shard_sequence,
+)
 from swiftlm.errors import ConfigError
 from swiftlm.losses.causal_lm import shifted_labels
 
@@ -58,11 +62,15 @@ class _Mesh:  # what apply_sequence_parallel reads of a DeviceMesh
         return None
 
 
-def test_heads_that_do_not_divide_are_refused():
+def test_ulysses_refuses_heads_that_do_not_divide_and_auto_takes_the_ring():
     from conftest import make_tiny_llama
 
+    model = make_tiny_llama(96)  # 4 heads, 2 key/value heads
     with pytest.raises(ConfigError, match="4 attention heads and 2 key/value heads"):
-        apply_sequence_parallel(make_tiny_llama(96), _Mesh(4))
+        apply_sequence_parallel(model, _Mesh(4), "ulysses")
+    assert resolve_impl("auto", model.config, 4) == "ring"
+    assert resolve_impl("auto", model.config, 2) == "ulysses"
+    assert resolve_impl("ring", model.config, 2) == "ring"
 
 
 def _broken(argv: list[str], world_size: int, command=TrainConfig) -> list[str]:

@@ -80,9 +80,16 @@ class DistArguments:
         "Sequence parallel (DeepSpeed-Ulysses, ms-swift's flag): each sample's tokens are cut "
         "into this many shards, one per process, and attention swaps sequence shards for head "
         "shards (all-to-all) so each process attends the whole sequence with 1/N of the "
-        "heads. sft and pt; heads must divide by N. The other processes form data-parallel "
-        "groups.",
+        "heads, or passes key/value shards round a ring (--sequence_parallel_impl). sft and "
+        "pt. The other processes form data-parallel groups.",
         default=1,
+    )
+    sequence_parallel_impl: Literal["auto", "ulysses", "ring"] = doc(
+        "How sequence shards attend the whole sequence. ulysses: all-to-all to head shards "
+        "(heads and key/value heads must divide by --sequence_parallel_size); ring: key/value "
+        "shards passed round the group with an online softmax (any size, N - 1 hops per "
+        "layer); auto: ulysses where the heads divide, else ring.",
+        default="auto",
     )
     pipeline_parallel_size: int = doc(
         "Split the decoder blocks into this many pipeline stages (1F1B schedule over the "

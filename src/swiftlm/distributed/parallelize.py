@@ -31,6 +31,7 @@ class ParallelizeOptions:
     compile: bool = False
     compute_dtype: torch.dtype = torch.float32
     fsdp_offload: bool = False
+    sequence_parallel_impl: str = "auto"
 
 
 def parallelize(
@@ -45,7 +46,7 @@ def parallelize(
     if options.compile:
         compile_decoder_layers(model)
     if dims.sp > 1:
-        apply_sequence_parallel(model, mesh["sp"])
+        apply_sequence_parallel(model, mesh["sp"], options.sequence_parallel_impl)
     vision = vision_modules(model)
     reduced = dims.gradient_mesh(mesh) if dims.gradient_ranks > 1 else None
     if reduced is not None and dims.data_parallel == "fsdp2":

@@ -5,7 +5,9 @@ its tokens (`shard_sequence`), so activations, logits and the loss of a long seq
 split N ways. Everything but attention works token by token; attention needs the whole
 sequence, so around it (`ulysses_attention`) an all-to-all swaps the shards: each rank gives
 away all but 1/N of the heads of its shard and receives its 1/N of the heads for the whole
-sequence, attends, and swaps back. Heads and key/value heads must divide by N.
+sequence, attends, and swaps back. Heads and key/value heads must divide by N; where they do
+not, the ring (ring_attention.py) passes key/value shards round the group instead
+(`--sequence_parallel_impl`, `resolve_impl`).
 
 The shards and the shift of causal LM losses. A loss pairs the logits at t with the label at
 t + 1, so the last position of a shard needs the first label of the next shard. Each shard
@@ -85,7 +87,7 @@ def _heads_to_sequence(tensor: torch.Tensor, group, size: int) -> torch.Tensor:
     return out.transpose(0, 1).reshape(b, size * h, length, d)
 
 
-def _gathered_positions(position_ids: torch.Tensor, group, size: int) -> torch.Tensor:
+def gathered_positions(position_ids: torch.Tensor, group, size: int) -> torch.Tensor:
     """Every shard's position ids [B, L] of the group, in rank order: [B, N*L]."""
     import torch.distributed as dist
 
@@ -105,36 +107,53 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     size = group.size()
     position_ids = kwargs.pop("position_ids")
     q, k, v = (_sequence_to_heads(t[:, :, :-1], group, size) for t in (query, key, value))
-    positions = _gathered_positions(position_ids[:, :-1], group, size)
+    positions = gathered_positions(position_ids[:, :-1], group, size)
     output, _ = varlen_sdpa_attention(module, q, k, v, None, position_ids=positions, **kwargs)
     output = _heads_to_sequence(output.transpose(1, 2), group, size).transpose(1, 2)
     return F.pad(output, (0, 0, 0, 0, 0, 1)), None
 
 
-def register_ulysses_attention() -> None:
-    """Make `swiftlm_ulysses` a valid attn_implementation (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ULYSSES, ulysses_attention)
-    AttentionMaskInterface.register(ULYSSES, sdpa_mask)  # built for the shard, not read
-
-
-def apply_sequence_parallel(model: torch.nn.Module, sp_mesh) -> None:
-    """Run `model`'s attention as Ulysses over the group of `sp_mesh` (heads checked)."""
-    from swiftlm.distributed.parallelize import decoder_layers
-
-    group, size = sp_mesh.get_group(), sp_mesh.size()
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % size or kv_heads % size:
+def resolve_impl(impl: str, config, size: int) -> str:
+    """--sequence_parallel_impl: `auto` is Ulysses where the heads and key/value heads divide
+    by N (fewer, larger messages) and the ring where they do not."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    divides = heads % size == 0 and kv_heads % size == 0
+    if impl == "auto":
+        return "ulysses" if divides else "ring"
+    if impl == "ulysses" and not divides:
         raise ConfigError(
             f"--sequence_parallel_size {size}: the model has {heads} attention heads and "
             f"{kv_heads} key/value heads, and Ulysses gives each rank 1/{size} of both; choose "
-            "a size that divides both"
+            "a size that divides both, or --sequence_parallel_impl ring (any size)"
         )
-    register_ulysses_attention()
+    return impl
+
+
+def register_sequence_parallel_attention() -> None:
+    """Make `swiftlm_ulysses` and `swiftlm_ring` valid attn_implementations (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from swiftlm.distributed.ring_attention import RING, ring_attention
+
+    for name, attention in ((ULYSSES, ulysses_attention), (RING, ring_attention)):
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, sdpa_mask)  # built for the shard, not read
+
+
+def apply_sequence_parallel(model: torch.nn.Module, sp_mesh, impl: str = "auto") -> str:
+    """Run `model`'s attention over the group of `sp_mesh` as Ulysses or as a ring
+    (`resolve_impl`); returns the one chosen."""
+    from swiftlm.distributed.parallelize import decoder_layers
+    from swiftlm.distributed.ring_attention import RING
+
+    impl = resolve_impl(impl, model.config, sp_mesh.size())
+    register_sequence_parallel_attention()
     for layer in decoder_layers(model):
-        layer.self_attn.sequence_parallel_group = group
-    model.config._attn_implementation = ULYSSES
+        layer.self_attn.sequence_parallel_group = sp_mesh.get_group()
+    model.config._attn_implementation = ULYSSES if impl == "ulysses" else RING
+    if torch.distributed.get_rank() == 0:
+        print(f"sequence parallel {sp_mesh.size()}: {impl} attention", flush=True)
+    return impl

@@ -121,6 +121,7 @@ def build_strategy(
         compile=train.torch_compile,
         compute_dtype=compute_dtype,
         fsdp_offload=args.fsdp_offload,
+        sequence_parallel_impl=args.sequence_parallel_impl,
     )
     if dims.data_parallel == "deepspeed":
         from swiftlm.distributed.zero import DeepSpeedStrategy
