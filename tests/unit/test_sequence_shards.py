@@ -71,6 +71,8 @@ def test_ulysses_refuses_heads_that_do_not_divide_and_auto_takes_the_ring():
     assert resolve_impl("auto", model.config, 4) == "ring"
     assert resolve_impl("auto", model.config, 2) == "ulysses"
     assert resolve_impl("ring", model.config, 2) == "ring"
+    model.config.sliding_window = 16  # Mistral-style: only the ring applies the window
+    assert resolve_impl("auto", model.config, 2) == "ring"
 
 
 def _broken(argv: list[str], world_size: int, command=TrainConfig) -> list[str]:
@@ -83,8 +85,12 @@ def test_sequence_parallel_rules():
     assert _broken(["--sequence_parallel_size", "2"], 4) == []
     tp = ["--sequence_parallel_size", "2", "--tensor_parallel_size", "2"]
     assert "sequence_parallel_alone" in _broken(tp, 4)
-    rlhf = _broken(["--sequence_parallel_size", "2"], 2, RLHFConfig)
-    assert "sequence_parallel_for_token_losses" in rlhf
+    for method in ("grpo", "rm"):
+        rlhf = _broken(["--sequence_parallel_size", "2", "--rlhf_type", method], 2, RLHFConfig)
+        assert "sequence_parallel_for_token_losses" in rlhf, method
+    for method in ("dpo", "kto", "simpo"):
+        rlhf = _broken(["--sequence_parallel_size", "2", "--rlhf_type", method], 2, RLHFConfig)
+        assert "sequence_parallel_for_token_losses" not in rlhf, method
 
 
 def test_generation_during_training_is_refused_under_sequence_parallel():

@@ -359,6 +359,10 @@ QLORA_RULES = (
 # ---- training: sequence parallel (distributed/sequence_parallel.py) ---------------------------
 
 
+# Their losses read whole answers' log-prob sums, which the shards sum over their group.
+SEQUENCE_PARALLEL_RLHF = ("dpo", "simpo", "orpo", "cpo", "kto")
+
+
 def _sequence_parallel(c: Any) -> bool:
     return c.dist.sequence_parallel_size > 1
 
@@ -373,10 +377,14 @@ SEQUENCE_PARALLEL_RULES = (
     ),
     Rule(
         "sequence_parallel_for_token_losses",
-        lambda c, f: _sequence_parallel(c) and isinstance(c, RLHFConfig),
-        "--sequence_parallel_size {sequence_parallel_size} with swiftlm rlhf: preference and RL "
-        "losses need each sequence's whole log-probability, which sequence shards would have "
-        "to gather first (not built yet); sft and pt take it",
+        lambda c, f: (
+            _sequence_parallel(c)
+            and isinstance(c, RLHFConfig)
+            and c.rlhf.rlhf_type not in SEQUENCE_PARALLEL_RLHF
+        ),
+        "--sequence_parallel_size {sequence_parallel_size} with --rlhf_type {rlhf_type}: its "
+        "rollouts (grpo, gkd) or last-token scores (rm) are not cut into sequence shards; "
+        "sft, pt and the preference methods (" + ", ".join(SEQUENCE_PARALLEL_RLHF) + ") take it",
     ),
     Rule(
         "sequence_parallel_alone",

@@ -20,7 +20,7 @@ with D = rowsum(dO * O)), so no block's probabilities are kept between forward a
 The key/value gradients of a block travel with it and arrive home after the N-th hop.
 
 Per step and rank only one block's scores exist, and queries are taken in chunks small enough
-that a chunk's scores hold at most `SCORE_ELEMENTS` floats (64 MiB): a long shard's transient
+that a chunk's scores hold at most `SCORE_ELEMENTS` floats (16 MiB): a long shard's transient
 memory stays that of a few chunks, not heads x L x L. The products run in float32 whatever
 the model's dtype (softmax statistics need it).
 """
@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from swiftlm.errors import ConfigError
+from swiftlm.models.sequence_group import SEQUENCE_GROUP
 
 RING = "swiftlm_ring"
-SCORE_ELEMENTS = 1 << 24
+SCORE_ELEMENTS = 1 << 22
 
 
 def sample_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -233,7 +234,7 @@ def ring_attention(module, query, key, value, attention_mask, **kwargs):
     from swiftlm.distributed.sequence_parallel import gathered_positions
 
     _check_options(module, kwargs)
-    group = module.sequence_parallel_group
+    group = getattr(module, SEQUENCE_GROUP)
     positions = gathered_positions(kwargs["position_ids"][:, :-1], group, group.size())
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")

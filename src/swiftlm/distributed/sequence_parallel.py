@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftlm.errors import ConfigError
+from swiftlm.models.sequence_group import SEQUENCE_GROUP
 
 ULYSSES = "swiftlm_ulysses"
 SEQUENCE_MASKS = ("attention_mask", "token_mask")
@@ -33,36 +34,61 @@ def _padded(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
     return F.pad(tensor, (0, width - tensor.shape[1]), value=value)
 
 
-def shard_sequence(batch: dict, rank: int, size: int, pads: dict) -> dict:
-    """Rank `rank`'s shard of a collated causal-LM batch of rows [B, T]: tokens
-    [rank * L, rank * L + L] (with the look-ahead), the rows padded with `pads` (input ids,
-    labels, masks) to N * L + 1. Position ids come along (made 0..T-1 when absent)."""
-    width = batch["input_ids"].shape[1]
+def _row_set(batch: dict, prefix: str, pads: dict) -> dict[str, object]:
+    """The token-aligned tensors of one row set (`prefix` + a padded name), with its width."""
+    width = batch[prefix + "input_ids"].shape[1]
+    names = [prefix + name for name in (*pads, *SEQUENCE_MASKS, "position_ids")]
+    return {name: width for name in names if name in batch}
+
+
+def _shard_rows(batch: dict, prefix: str, rank: int, size: int, pads: dict) -> dict:
+    """Rank `rank`'s shard of one row set's tensors (see `shard_sequence`)."""
+    rows, width = batch[prefix + "input_ids"].shape
     length = -(-width // size)
     total = length * size + 1
-    batch = dict(batch)
-    if "position_ids" not in batch:
-        batch["position_ids"] = torch.arange(width).expand(batch["input_ids"].shape[0], width)
+    tensors = {name: batch[name] for name in _row_set(batch, prefix, pads)}
+    if prefix + "position_ids" not in tensors:
+        tensors[prefix + "position_ids"] = torch.arange(width).expand(rows, width)
     shard = {}
-    for name, tensor in batch.items():
-        if not (
-            isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] == width
-        ):
-            shard[name] = tensor
-            continue
-        if name == "position_ids":  # the padding continues each row's positions
+    for name, tensor in tensors.items():
+        key = name.removeprefix(prefix)
+        if key == "position_ids":  # the padding continues each row's positions
             extra = tensor[:, -1:] + torch.arange(1, total - width + 1)
             full = torch.cat([tensor, extra], dim=1)
-        elif name in pads or name in SEQUENCE_MASKS:
-            full = _padded(tensor, total, pads.get(name, 0))
         else:
+            full = _padded(tensor, total, pads.get(key, 0))
+        shard[name] = full[:, rank * length : rank * length + length + 1].clone()
+        if key in SEQUENCE_MASKS:
+            shard[name][:, -1] = 0  # the look-ahead is the next shard's token
+    return shard
+
+
+def shard_sequence(batch: dict, rank: int, size: int, pads: dict, row_sets=("",), owned=()) -> dict:
+    """Rank `rank`'s shard of a collated causal-LM batch of rows [B, T]: tokens
+    [rank * L, rank * L + L] (with the look-ahead), the rows padded with `pads` (input ids,
+    labels, masks) to N * L + 1. Position ids come along (made 0..T-1 when absent).
+
+    `row_sets`: the prefixes of the batch's sets of rows, each cut by its own width (KTO's
+    matched rows and its mismatched `kl_` rows). `owned`: per-sample weights that only the
+    group's first shard keeps (0 on the others), for losses of whole sequences: each rank
+    computes the loss from the log-prob sums gathered over the group (models/sequence_group.py),
+    and the sample counts once."""
+    shard = dict(batch)
+    claimed = set()
+    for prefix in row_sets:
+        claimed |= set(_row_set(batch, prefix, pads))
+        shard.update(_shard_rows(batch, prefix, rank, size, pads))
+    widths = {batch[prefix + "input_ids"].shape[1] for prefix in row_sets}
+    for name, tensor in batch.items():
+        token_aligned = isinstance(tensor, torch.Tensor) and tensor.dim() == 2
+        if name not in claimed and token_aligned and tensor.shape[1] in widths:
             raise ConfigError(
                 f"--sequence_parallel_size {size}: the batch's `{name}` column has no known "
                 "padding, so it cannot be cut into sequence shards"
             )
-        shard[name] = full[:, rank * length : rank * length + length + 1].clone()
-        if name in SEQUENCE_MASKS:
-            shard[name][:, -1] = 0  # the look-ahead is the next shard's token
+    for name in owned:
+        if rank:
+            shard[name] = torch.zeros_like(batch[name])
     return shard
 
 
@@ -103,9 +129,16 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     Returns ([B, L + 1, heads, D], None); the look-ahead's output is zero."""
     from swiftlm.models.attention import varlen_sdpa_attention
 
-    group = module.sequence_parallel_group
+    group = getattr(module, SEQUENCE_GROUP)
     size = group.size()
     position_ids = kwargs.pop("position_ids")
+    window = kwargs.get("sliding_window")
+    if window and (query.shape[2] - 1) * size > window:
+        raise ConfigError(
+            f"--sequence_parallel_impl ulysses: this model attends within a sliding window of "
+            f"{window} tokens, and Ulysses' attention over the gathered sequence does not apply "
+            "it; use --sequence_parallel_impl ring (or auto), which does"
+        )
     q, k, v = (_sequence_to_heads(t[:, :, :-1], group, size) for t in (query, key, value))
     positions = gathered_positions(position_ids[:, :-1], group, size)
     output, _ = varlen_sdpa_attention(module, q, k, v, None, position_ids=positions, **kwargs)
@@ -115,13 +148,17 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
 
 def resolve_impl(impl: str, config, size: int) -> str:
     """--sequence_parallel_impl: `auto` is Ulysses where the heads and key/value heads divide
-    by N (fewer, larger messages) and the ring where they do not."""
+    by N (fewer, larger messages) and the model has no sliding window (which only the ring
+    applies), else the ring."""
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     divides = heads % size == 0 and kv_heads % size == 0
+    windowed = bool(getattr(text, "sliding_window", None)) and getattr(
+        text, "use_sliding_window", True
+    )
     if impl == "auto":
-        return "ulysses" if divides else "ring"
+        return "ulysses" if divides and not windowed else "ring"
     if impl == "ulysses" and not divides:
         raise ConfigError(
             f"--sequence_parallel_size {size}: the model has {heads} attention heads and "
@@ -152,7 +189,7 @@ def apply_sequence_parallel(model: torch.nn.Module, sp_mesh, impl: str = "auto")
     impl = resolve_impl(impl, model.config, sp_mesh.size())
     register_sequence_parallel_attention()
     for layer in decoder_layers(model):
-        layer.self_attn.sequence_parallel_group = sp_mesh.get_group()
+        setattr(layer.self_attn, SEQUENCE_GROUP, sp_mesh.get_group())
     model.config._attn_implementation = ULYSSES if impl == "ulysses" else RING
     if torch.distributed.get_rank() == 0:
         print(f"sequence parallel {sp_mesh.size()}: {impl} attention", flush=True)

@@ -159,6 +159,12 @@ class MethodDefaults:
     # Whether `state_dict()` is state that checkpoints keep and a resume restores (an online
     # method's completions sampled but not yet trained on).
     has_step_state: bool = False
+    # Sequence parallel (distributed/sequence_parallel.shard_sequence): the prefixes of the
+    # batch's sets of token rows, each cut into shards by its own width, and the per-sample
+    # weights only a group's first shard keeps (losses of whole sequences, computed by every
+    # rank from log-prob sums gathered over the group, count each sample once).
+    sequence_row_sets: tuple[str, ...] = ("",)
+    sequence_owned: tuple[str, ...] = ()
 
     def prepare_model(self, model: torch.nn.Module, log: Callable[[str], None]) -> None:
         """Adjust the loaded, tuned model before any wrapper sees it (install the fused LM

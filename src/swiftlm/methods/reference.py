@@ -15,6 +15,7 @@ import copy
 import torch
 
 from swiftlm.errors import ConfigError
+from swiftlm.models.sequence_group import share_sequence_group
 
 
 class Reference:
@@ -44,6 +45,7 @@ class Reference:
     def module(self, model: torch.nn.Module):
         """(the module to run, its context): the frozen model, or the policy without adapter."""
         if self.model is not None:
+            share_sequence_group(model, self.model)  # it reads the policy's shards
             return self.model, contextlib.nullcontext()
         policy = unwrapped(model)
         return policy, policy.disable_adapter()

@@ -123,7 +123,11 @@ def _sequence_shard(job: TrainingJob, batch: dict) -> dict:
     strategy = job.strategy
     if strategy.sp_size == 1:
         return batch
-    return shard_sequence(batch, strategy.sp_rank, strategy.sp_size, job.method.token_pads)
+    method = job.method
+    return shard_sequence(
+        batch, strategy.sp_rank, strategy.sp_size, method.token_pads,
+        method.sequence_row_sets, method.sequence_owned,
+    )  # fmt: skip
 
 
 def _data_sum(job: TrainingJob, values: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ from swiftlm.methods.preference.precomputed import precompute_splits
 from swiftlm.methods.reference import Reference, unwrapped
 from swiftlm.methods.token import token_pads
 from swiftlm.methods.vision import VisionInputs
+from swiftlm.models.sequence_group import sum_over_shards
 
 __all__ = ["DPO", "answer_logps", "pair_metrics", "unwrapped", "weighted_sums"]
 
@@ -75,13 +76,16 @@ class DPO(MethodDefaults):
     # conversation per row.
     supports_images = True
     packs_images = False
+    # Sequence parallel: a pair's loss needs its answers' whole log-probs, summed over the
+    # group's shards (answer_logps); the group's first shard alone weighs the pair.
+    sequence_owned = ("weight",)
 
     def __init__(self, cfg: RLHFConfig, tokenizer, vision: VisionInputs | None = None):
         self.tokenizer = tokenizer
         self.vision = vision
         if vision is not None:
             self.columns = (*self.columns, *(f"{side}_{VISION_COLUMN}" for side in SIDES))
-        self.token_pads = token_pads(tokenizer.pad_token_id)
+        self.token_pads = {**token_pads(tokenizer.pad_token_id), "answer_ids": -1}
         self.data, self.rlhf = cfg.data, cfg.rlhf
         self.uses_lora = cfg.tuner.train_type != "full"
         self.ref = Reference(cfg, self.name)
@@ -338,19 +342,22 @@ def answer_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per answer (a row, or a segment of a packed row): the sum of its label tokens'
     log-probs (float32) and their number. `answers`: how many a packed batch holds (default:
-    both sides of its pairs, known from `weight`'s shape: no device sync)."""
+    both sides of its pairs, known from `weight`'s shape: no device sync). Under sequence
+    parallel the batch is a shard of the rows and the sums are the group's (`sum_over_shards`)."""
     with context or contextlib.nullcontext():
         logits = model(**model_inputs(batch), use_cache=False).logits
     token_logps = -token_cross_entropy(logits, batch["labels"])
     labelled = shifted_labels(batch["labels"]) != IGNORE_INDEX
     if "answer_ids" not in batch:
-        return token_logps.sum(-1), labelled.sum(-1).to(token_logps).clamp(min=1)
-    # Position t scores label t + 1; where that label counts, token t + 1 is in token t's
-    # answer (a packed answer's first label is ignored: collate_packed drops it).
-    owner = batch["answer_ids"][labelled]
-    answers = answers or 2 * batch["weight"].numel()
-    sums = token_logps.new_zeros(answers).index_add(0, owner, token_logps[labelled])
-    counts = token_logps.new_zeros(answers).index_add(0, owner, labelled[labelled].to(token_logps))
+        sums, counts = token_logps.sum(-1), labelled.sum(-1).to(token_logps)
+    else:
+        # Position t scores label t + 1; where that label counts, token t + 1 is in token t's
+        # answer (a packed answer's first label is ignored: collate_packed drops it).
+        owner = batch["answer_ids"][labelled]
+        answers = answers or 2 * batch["weight"].numel()
+        sums = token_logps.new_zeros(answers).index_add(0, owner, token_logps[labelled])
+        counts = token_logps.new_zeros(answers).index_add(0, owner, labelled[labelled].to(sums))
+    sums, counts = sum_over_shards(model, sums, counts)
     return sums, counts.clamp(min=1)
 
 

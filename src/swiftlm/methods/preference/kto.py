@@ -67,12 +67,16 @@ class KTO(MethodDefaults):
     # --padding_free/--packing: matched rows share packed rows, mismatched ones too.
     supports_packing = True
     default_datasets: tuple[str, ...] = ()
+    # Sequence parallel: answers' whole log-probs are summed over the group's shards
+    # (answer_logps); the group's first shard alone weighs the sample.
+    sequence_owned = ("weight",)
 
     def __init__(self, cfg: RLHFConfig, tokenizer):
         self.tokenizer = tokenizer
-        self.token_pads = token_pads(tokenizer.pad_token_id)
+        self.token_pads = {**token_pads(tokenizer.pad_token_id), "answer_ids": -1}
         self.data, self.rlhf = cfg.data, cfg.rlhf
         self.uses_kl = cfg.rlhf.loss_type == "kto"
+        self.sequence_row_sets = (MAIN, KL) if self.uses_kl else (MAIN,)
         self.reference = Reference(cfg, self.name)
         self.eval_batch_size = cfg.train.per_device_eval_batch_size
         self.torch_dtype = cfg.model.torch_dtype
