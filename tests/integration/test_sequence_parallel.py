@@ -68,3 +68,26 @@ def test_padded_and_packed_rows_are_sharded_as_whole_sequences(
     terms = forward_terms(tokens=128 if "packing" in layout else 64) + 2
     assert_close(logged(shards), logged(single), terms=terms, what="loss")
     assert logged(shards, "label_tokens") == logged(single, "label_tokens")
+
+
+@pytest.mark.numerics
+def test_sequence_shards_inside_tensor_parallel_groups_match_one_process(
+    tiny_model_dir, chat_jsonl, tmp_path, capfd
+):
+    """4 ranks: tensor parallel 2 splits the heads (2 and 1 key/value head per rank), sequence
+    parallel 2 splits the tokens; 1 key/value head does not divide by 2, so auto takes the
+    ring. The two sequence shards reduce gradients with FSDP2 (DDP cannot replicate the
+    tensor-parallel DTensor weights)."""
+    single, shards = tmp_path / "single", tmp_path / "tp-sp"
+    assert main(tiny_sft(tiny_model_dir, chat_jsonl, single, **RUN)) == 0
+    mesh = dict(nproc_per_node=4, tensor_parallel_size=2, sequence_parallel_size=2)
+    argv = tiny_sft(tiny_model_dir, chat_jsonl, shards, **RUN, **mesh, master_port=29557)
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    assert "sequence parallel 2: ring attention" in out
+    assert "tensor parallel 2 x sequence parallel 2" in out
+    assert_close(logged(shards), logged(single), terms=TERMS + 2, what="loss")
+    assert logged(shards, "label_tokens") == logged(single, "label_tokens")
+    assert_trained_weights_close(
+        single / "final" / ADAPTER, shards / "final" / ADAPTER, learning_rate=1e-2, steps=4
+    )

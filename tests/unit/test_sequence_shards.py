@@ -84,7 +84,9 @@ def test_sequence_parallel_rules():
     assert "sequence_parallel_divides_world" in _broken(["--sequence_parallel_size", "2"], 3)
     assert _broken(["--sequence_parallel_size", "2"], 4) == []
     tp = ["--sequence_parallel_size", "2", "--tensor_parallel_size", "2"]
-    assert "sequence_parallel_alone" in _broken(tp, 4)
+    assert _broken(tp, 4) == []
+    pp = ["--sequence_parallel_size", "2", "--pipeline_parallel_size", "2"]
+    assert "sequence_parallel_alone" in _broken(pp, 4)
     for method in ("grpo", "rm"):
         rlhf = _broken(["--sequence_parallel_size", "2", "--rlhf_type", method], 2, RLHFConfig)
         assert "sequence_parallel_for_token_losses" in rlhf, method

@@ -388,12 +388,10 @@ SEQUENCE_PARALLEL_RULES = (
     ),
     Rule(
         "sequence_parallel_alone",
-        lambda c, f: (
-            _sequence_parallel(c)
-            and (tensor_parallel(c.dist) or pipeline(c.dist) or deepspeed(c.dist))
-        ),
-        "--sequence_parallel_size {sequence_parallel_size} with tensor, pipeline or DeepSpeed "
-        "parallelism: sequence shards run beside DDP (the default) or --fsdp fsdp2 only",
+        lambda c, f: _sequence_parallel(c) and (pipeline(c.dist) or deepspeed(c.dist)),
+        "--sequence_parallel_size {sequence_parallel_size} with pipeline or DeepSpeed "
+        "parallelism: sequence shards run beside DDP (the default), --fsdp fsdp2 or "
+        "--tensor_parallel_size only",
     ),
 )
 

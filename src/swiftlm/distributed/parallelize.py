@@ -46,7 +46,7 @@ def parallelize(
     if options.compile:
         compile_decoder_layers(model)
     if dims.sp > 1:
-        apply_sequence_parallel(model, mesh["sp"], options.sequence_parallel_impl)
+        apply_sequence_parallel(model, mesh["sp"], options.sequence_parallel_impl, dims.tp)
     vision = vision_modules(model)
     reduced = dims.gradient_mesh(mesh) if dims.gradient_ranks > 1 else None
     if reduced is not None and dims.data_parallel == "fsdp2":

@@ -146,13 +146,14 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     return F.pad(output, (0, 0, 0, 0, 0, 1)), None
 
 
-def resolve_impl(impl: str, config, size: int) -> str:
+def resolve_impl(impl: str, config, size: int, tp: int = 1) -> str:
     """--sequence_parallel_impl: `auto` is Ulysses where the heads and key/value heads divide
     by N (fewer, larger messages) and the model has no sliding window (which only the ring
-    applies), else the ring."""
+    applies), else the ring. Under tensor parallel a rank holds 1/tp of the heads, and those
+    are what Ulysses splits further."""
     text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    heads = text.num_attention_heads // tp
+    kv_heads = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // tp
     divides = heads % size == 0 and kv_heads % size == 0
     windowed = bool(getattr(text, "sliding_window", None)) and getattr(
         text, "use_sliding_window", True
@@ -160,10 +161,11 @@ def resolve_impl(impl: str, config, size: int) -> str:
     if impl == "auto":
         return "ulysses" if divides and not windowed else "ring"
     if impl == "ulysses" and not divides:
+        per_rank = f" per tensor-parallel rank ({tp})" if tp > 1 else ""
         raise ConfigError(
             f"--sequence_parallel_size {size}: the model has {heads} attention heads and "
-            f"{kv_heads} key/value heads, and Ulysses gives each rank 1/{size} of both; choose "
-            "a size that divides both, or --sequence_parallel_impl ring (any size)"
+            f"{kv_heads} key/value heads{per_rank}, and Ulysses gives each rank 1/{size} of "
+            "both; choose a size that divides both, or --sequence_parallel_impl ring (any size)"
         )
     return impl
 
@@ -180,13 +182,15 @@ def register_sequence_parallel_attention() -> None:
         AttentionMaskInterface.register(name, sdpa_mask)  # built for the shard, not read
 
 
-def apply_sequence_parallel(model: torch.nn.Module, sp_mesh, impl: str = "auto") -> str:
+def apply_sequence_parallel(
+    model: torch.nn.Module, sp_mesh, impl: str = "auto", tp: int = 1
+) -> str:
     """Run `model`'s attention over the group of `sp_mesh` as Ulysses or as a ring
-    (`resolve_impl`); returns the one chosen."""
+    (`resolve_impl`; `tp`: the tensor-parallel split of the heads); returns the one chosen."""
     from swiftlm.distributed.parallelize import decoder_layers
     from swiftlm.distributed.ring_attention import RING
 
-    impl = resolve_impl(impl, model.config, sp_mesh.size())
+    impl = resolve_impl(impl, model.config, sp_mesh.size(), tp)
     register_sequence_parallel_attention()
     for layer in decoder_layers(model):
         setattr(layer.self_attn, SEQUENCE_GROUP, sp_mesh.get_group())

@@ -95,13 +95,14 @@ def plan_parallelism(args: DistArguments, world_size: int) -> ParallelDims:
     pp = world_size if args.strategy == "pp" and pp == 1 else pp
     tp = world_size if args.strategy == "tp" and tp == 1 else tp
     dp = world_size // (pp * tp * sp)
-    return ParallelDims(pp=pp, dp=dp, tp=tp, sp=sp, data_parallel=_data_parallel(args, tp, dp))
+    return ParallelDims(pp=pp, dp=dp, tp=tp, sp=sp, data_parallel=_data_parallel(args, tp, dp * sp))
 
 
-def _data_parallel(args: DistArguments, tp: int, dp: int) -> str:
-    """DDP or FSDP2 for the data-parallel dimension: FSDP2 when asked for, and for the
-    data-parallel groups of tensor parallel (DDP cannot replicate DTensor weights)."""
-    if args.fsdp is not None or args.strategy == "fsdp2" or (tp > 1 and dp > 1):
+def _data_parallel(args: DistArguments, tp: int, gradient_ranks: int) -> str:
+    """DDP or FSDP2 for the ranks that reduce gradients (data-parallel replicas, sequence
+    shards): FSDP2 when asked for, and beside tensor parallel (DDP cannot replicate DTensor
+    weights)."""
+    if args.fsdp is not None or args.strategy == "fsdp2" or (tp > 1 and gradient_ranks > 1):
         return "fsdp2"
     return "ddp"
 
