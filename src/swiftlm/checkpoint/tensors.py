@@ -146,6 +146,11 @@ def load_model_weights(folder: Path, model) -> None:
         if unexpected:
             raise CheckpointError(f"{folder}: adapter has unexpected weights {unexpected[:5]}")
         return
+    expected = model.state_dict().keys()
+    if any(name not in expected for name in weights):  # saved under converted names
+        from swiftlm.checkpoint.converted import to_model_names
+
+        weights = to_model_names(model, weights, [k for k in expected if k not in weights])
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = tied_parameter_names(model)
     missing = [k for k in missing if k not in tied]

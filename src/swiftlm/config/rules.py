@@ -395,6 +395,68 @@ SEQUENCE_PARALLEL_RULES = (
     ),
 )
 
+# ---- training: expert parallel (distributed/expert_parallel.py) -------------------------------
+# What needs the model (experts at all, experts that divide by N, LoRA on the experts) is
+# checked when the experts are split: distributed/expert_parallel.check_expert_parallel.
+
+
+def _expert_parallel(c: Any) -> bool:
+    return c.dist.expert_parallel_size > 1
+
+
+EXPERT_PARALLEL_RULES = (
+    Rule(
+        "expert_parallel_divides_world",
+        lambda c, f: _expert_parallel(c) and f.world_size % c.dist.expert_parallel_size != 0,
+        "--expert_parallel_size {expert_parallel_size} must divide the data-parallel processes "
+        "({world_size}): each group of {expert_parallel_size} splits the experts among itself; "
+        "launch a multiple of it with --nproc_per_node",
+    ),
+    Rule(
+        "expert_parallel_for_sft_and_pt",
+        lambda c, f: _expert_parallel(c) and isinstance(c, RLHFConfig),
+        "--expert_parallel_size {expert_parallel_size} with swiftlm rlhf: every forward is a "
+        "collective of the expert group, and the methods' generations and reference passes do "
+        "not run in step on every rank (not built yet); sft and pt take it",
+    ),
+    Rule(
+        "expert_parallel_with_ddp",
+        lambda c, f: (
+            _expert_parallel(c)
+            and (
+                tensor_parallel(c.dist)
+                or pipeline(c.dist)
+                or deepspeed(c.dist)
+                or _sequence_parallel(c)
+            )
+        ),
+        "--expert_parallel_size {expert_parallel_size} with tensor, pipeline, sequence or "
+        "DeepSpeed parallelism: expert shards run beside DDP (the default with "
+        "--nproc_per_node) or --fsdp fsdp2 only; drop one of the two",
+    ),
+    Rule(
+        "expert_parallel_without_fsdp_offload",
+        lambda c, f: _expert_parallel(c) and c.dist.fsdp_offload,
+        "--expert_parallel_size {expert_parallel_size} with --fsdp_offload: FSDP2 leaves the "
+        "expert shards out of its units, so they would stay on the GPU while their optimizer "
+        "steps beside offloaded weights (not built); drop --fsdp_offload",
+    ),
+    Rule(
+        "expert_parallel_without_compile",
+        lambda c, f: _expert_parallel(c) and c.train.torch_compile,
+        "--expert_parallel_size {expert_parallel_size} with --torch_compile: the token exchange "
+        "reads its split sizes on the host in every MoE layer, which compiled layers do not "
+        "take; drop --torch_compile",
+    ),
+    Rule(
+        "expert_parallel_without_generation_eval",
+        lambda c, f: _expert_parallel(c) and bool(c.evaluation.eval_dataset),
+        "--eval_dataset with --expert_parallel_size {expert_parallel_size}: generation runs on "
+        "rank 0 alone, and each MoE layer waits on the expert group's all-to-all; evaluate the "
+        "checkpoints with `swiftlm eval --ckpt_dir RUN/checkpoints/step-N` instead",
+    ),
+)
+
 # ---- training: FP8 (models/fp8.py) ------------------------------------------------------------
 
 FP8_RULES = (
@@ -458,6 +520,7 @@ RULES: dict[type, tuple[Rule, ...]] = {
     + QLORA_RULES
     + FP8_RULES
     + SEQUENCE_PARALLEL_RULES
+    + EXPERT_PARALLEL_RULES
     + TRAIN_EVAL_RULES
     + STREAMING_RULES,
     InferConfig: INFER_RULES,

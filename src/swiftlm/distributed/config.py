@@ -91,6 +91,13 @@ class DistArguments:
         "layer); auto: ulysses where the heads divide, else ring.",
         default="auto",
     )
+    expert_parallel_size: int = doc(
+        "Expert parallel for mixture-of-experts models (ms-swift's flag): each MoE layer's "
+        "experts are split over this many data-parallel processes, which send each token to "
+        "the process holding its expert and get the result back (two all-to-alls per layer). "
+        "Must divide the processes and the experts; beside DDP or --fsdp fsdp2; sft and pt.",
+        default=1,
+    )
     pipeline_parallel_size: int = doc(
         "Split the decoder blocks into this many pipeline stages (1F1B schedule over the "
         "--gradient_accumulation_steps micro-batches; full or LoRA). The other processes form "
@@ -164,6 +171,7 @@ class DistArguments:
             tensor_parallel_size=at_least(1, note="1: off"),
             sequence_parallel_size=at_least(1, note="1: off"),
             pipeline_parallel_size=at_least(1, note="1: off"),
+            expert_parallel_size=at_least(1, note="1: off"),
             fsdp=custom(
                 lambda v: v in FSDP_SPELLINGS,
                 "--{flag} {value}: use fsdp2 (FSDP2, fully_shard per layer)",

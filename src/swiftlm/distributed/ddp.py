@@ -13,12 +13,21 @@ from swiftlm.distributed.config import DistArguments
 
 
 def apply_ddp(
-    model: torch.nn.Module, dp_mesh, device: torch.device, find_unused_parameters: bool = False
+    model: torch.nn.Module,
+    dp_mesh,
+    device: torch.device,
+    find_unused_parameters: bool = False,
+    ignored: list[str] | tuple = (),
 ) -> DistributedDataParallel:
     """`find_unused_parameters`: some trainable parameters may get no gradient on a rank (a
     vision-language model's vision encoder on a rank whose micro-batch has no image); DDP
     then finds them after each forward and reduces zeros for them, at the cost of a graph
-    traversal per micro-batch."""
+    traversal per micro-batch.
+
+    `ignored`: names of parameters DDP neither broadcasts nor averages (expert shards, which
+    differ per rank and are reduced by expert_parallel.py)."""
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignored))
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(
         model,

@@ -32,11 +32,14 @@ def apply_fsdp2(
     compute_dtype: torch.dtype = torch.float32,
     offload: bool = False,
     in_root: list[nn.Module] | tuple = (),
+    ignored: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard every block list's blocks, then the root, over `dp_mesh` (in place).
 
     `in_root`: modules whose blocks stay in the root unit (a vision-language model's vision
-    encoder and aligner, which ranks run or skip by their micro-batches' images)."""
+    encoder and aligner, which ranks run or skip by their micro-batches' images).
+    `ignored`: parameters FSDP2 leaves as they are (expert shards, which differ per rank and
+    are reduced by expert_parallel.py)."""
     from torch.distributed.fsdp import fully_shard
 
     train_in_float32(model)
@@ -51,8 +54,11 @@ def apply_fsdp2(
                 mp_policy=policy,
                 offload_policy=offloading,
                 reshard_after_forward=i < len(blocks) - 1,
+                ignored_params=ignored,
             )
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offloading)
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=policy, offload_policy=offloading, ignored_params=ignored
+    )
     if in_root:  # a rank that skipped them reduce-scatters zeros, keeping the ranks in step
         model.set_reduce_scatter_unused_params(True, recurse=False)
         same_reduction_order(model)

@@ -11,12 +11,21 @@ Every rank of a tensor-parallel group, of a sequence-parallel group and of a pip
 the same samples: the data is split over the "dp" dimension only. A sequence-parallel group
 then cuts each sample's tokens into one shard per rank (distributed/sequence_parallel.py), so
 its ranks hold different losses: gradients are reduced over "dp" and "sp" together.
+
+Expert parallel ("ep") is a split of "dp", not a fifth factor of the world (torchtitan's and
+Megatron's layout): the data-parallel index d is (expert replica d // ep, expert rank d % ep),
+so the mesh is ("pp", "ep_replica", "ep", "sp", "tp") and "dp" is "ep_replica" x "ep" flattened.
+The ep consecutive data-parallel ranks of an expert group read different micro-batches and each
+holds 1/ep of every MoE layer's experts (distributed/expert_parallel.py); the ranks of one
+"ep_replica" group hold the same experts.
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
 MESH_DIMS = ("pp", "dp", "sp", "tp")
+# With expert parallel, "dp" is split into the replicas of each expert shard x the expert ranks.
+EXPERT_MESH_DIMS = ("pp", "ep_replica", "ep", "sp", "tp")
 
 # How the "dp" dimension keeps its replicas in step: DDP all-reduces full gradients, FSDP2
 # shards weights, gradients and optimizer state, DeepSpeed's engine does either itself.
@@ -30,6 +39,7 @@ class ParallelDims:
     tp: int = 1
     data_parallel: DataParallel = "ddp"
     sp: int = 1
+    ep: int = 1  # expert parallel: a split of dp (ep divides dp)
 
     @property
     def world_size(self) -> int:
@@ -51,7 +61,10 @@ class ParallelDims:
         return (rank // self.tp) % self.sp
 
     def gradient_mesh(self, mesh):
-        """The mesh DDP or FSDP2 reduces gradients over: "dp", or "dp" and "sp" flattened."""
+        """The mesh DDP or FSDP2 reduces gradients over: "dp", or "dp" and "sp" flattened
+        (under expert parallel, "ep_replica" and "ep" flattened: the same ranks as "dp")."""
+        if self.ep > 1:  # "dp" is the expert replicas x the expert ranks, in the same order
+            return mesh["ep_replica", "ep"]._flatten("dp")
         return mesh["dp"] if self.sp == 1 else mesh["dp", "sp"]._flatten("dp_sp")
 
     @property
@@ -67,8 +80,11 @@ class ParallelDims:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.pp, self.dp, self.sp, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        if self.ep == 1:
+            shape = (self.pp, self.dp, self.sp, self.tp)
+            return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        shape = (self.pp, self.dp // self.ep, self.ep, self.sp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
     def __str__(self) -> str:
         parts = []
@@ -79,7 +95,8 @@ class ParallelDims:
         if self.sp > 1:
             parts.append(f"sequence parallel {self.sp}")
         if self.dp > 1 or self.data_parallel == "deepspeed":
-            parts.append(f"{DATA_PARALLEL_NAMES[self.data_parallel]} {self.dp}")
+            experts = f" with expert parallel {self.ep}" if self.ep > 1 else ""
+            parts.append(f"{DATA_PARALLEL_NAMES[self.data_parallel]} {self.dp}{experts}")
         return " x ".join(parts) or "one process"
 
 

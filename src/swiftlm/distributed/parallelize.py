@@ -1,6 +1,7 @@
 """Parallelisms as ordered functions applied to one DeviceMesh (torchtitan's `parallelize`):
 
-    tensor parallel -> sequence parallel -> activation checkpointing -> compile -> FSDP2 or DDP
+    tensor parallel -> activation checkpointing -> compile -> sequence parallel
+        -> expert parallel -> FSDP2 or DDP
 
 Each step changes the model in place (DDP wraps it) and leaves parameter names as they were,
 so checkpoints, adapters and state dicts see the usual modules. The order matters: TP turns
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from swiftlm.distributed.ddp import apply_ddp
+from swiftlm.distributed.expert_parallel import apply_expert_parallel, split_expert_parameters
 from swiftlm.distributed.fsdp2 import apply_fsdp2
 from swiftlm.distributed.mesh import ParallelDims
 from swiftlm.distributed.sequence_parallel import apply_sequence_parallel
@@ -47,13 +49,18 @@ def parallelize(
         compile_decoder_layers(model)
     if dims.sp > 1:
         apply_sequence_parallel(model, mesh["sp"], options.sequence_parallel_impl, dims.tp)
+    if dims.ep > 1:
+        apply_expert_parallel(model, mesh["ep"])
     vision = vision_modules(model)
     reduced = dims.gradient_mesh(mesh) if dims.gradient_ranks > 1 else None
+    split = split_expert_parameters(model) if dims.ep > 1 else []  # each rank holds its own
     if reduced is not None and dims.data_parallel == "fsdp2":
-        apply_fsdp2(model, reduced, device, options.compute_dtype, options.fsdp_offload, vision)
+        dtype, offload = options.compute_dtype, options.fsdp_offload
+        apply_fsdp2(model, reduced, device, dtype, offload, vision, ignored=set(split))
     elif reduced is not None:
         trains_vision = any(p.requires_grad for m in vision for p in m.parameters())
-        model = apply_ddp(model, reduced, device, find_unused_parameters=trains_vision)
+        ignored = [name for name, p in model.named_parameters() if any(p is q for q in split)]
+        model = apply_ddp(model, reduced, device, trains_vision, ignored=ignored)
     return model
 
 

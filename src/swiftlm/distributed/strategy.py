@@ -6,6 +6,7 @@ folder. The loop branches on one fact only, `pipeline_parallel`: a pipeline sche
 forward and backward of the whole step. Three implementations:
 
 - SPMDStrategy (spmd.py): one process, DDP, FSDP2, tensor parallel and TP x FSDP2;
+  ExpertParallelStrategy (expert_strategy.py) is SPMDStrategy with the experts split;
 - PipelineParallelStrategy (pp.py): pipeline stages, alone or x DDP / FSDP2;
 - DeepSpeedStrategy (zero.py): the wrapper exception (its engine owns model and optimizer).
 """
@@ -95,7 +96,9 @@ def plan_parallelism(args: DistArguments, world_size: int) -> ParallelDims:
     pp = world_size if args.strategy == "pp" and pp == 1 else pp
     tp = world_size if args.strategy == "tp" and tp == 1 else tp
     dp = world_size // (pp * tp * sp)
-    return ParallelDims(pp=pp, dp=dp, tp=tp, sp=sp, data_parallel=_data_parallel(args, tp, dp * sp))
+    ep = args.expert_parallel_size  # a split of dp, not a factor of the world
+    data_parallel = _data_parallel(args, tp, dp * sp)
+    return ParallelDims(pp=pp, dp=dp, tp=tp, sp=sp, ep=ep, data_parallel=data_parallel)
 
 
 def _data_parallel(args: DistArguments, tp: int, gradient_ranks: int) -> str:
@@ -133,6 +136,10 @@ def build_strategy(
 
         shape = (train.gradient_accumulation_steps, train.per_device_train_batch_size, max_length)
         return PipelineParallelStrategy(ctx, device, dims, options, shape, args.async_save)
+    if dims.ep > 1:
+        from swiftlm.distributed.expert_strategy import ExpertParallelStrategy
+
+        return ExpertParallelStrategy(ctx, device, dims, options, args)
     from swiftlm.distributed.spmd import SPMDStrategy
 
     return SPMDStrategy(ctx, device, dims, options, args)
