@@ -5,10 +5,14 @@ of the chosen layout (`--deepspeed zero2`, `--fsdp fsdp2`, `--strategy ddp` ...)
 worker then parses alike. One process stays `single`; explicit --deepspeed, --fsdp,
 --tensor_parallel_size or --pipeline_parallel_size (or any --strategy but auto) are kept.
 
-Only data-parallel layouts are chosen (DDP, ZeRO-1/2/3, FSDP2, offload): tensor and pipeline
-parallel would change the job itself (fewer replicas, so a smaller global batch, or more
-accumulation to keep it), which the user asks for with their own flags. The choice depends
-only on the flags, the model's config and the devices, so a resumed run gets the same layout.
+Only how the replicas hold the state is chosen (DDP, ZeRO-1/2/3, FSDP2, offload): tensor,
+pipeline and sequence parallel would change the job itself (fewer replicas, so a smaller
+global batch, or more accumulation to keep it), which the user asks for with their own flags.
+With --sequence_parallel_size or --expert_parallel_size given, the plan compares the layouts of
+those sizes (and of the attention --sequence_parallel_impl resolves to): DDP or FSDP2, which
+is what config/rules.py lets them run beside. Expert parallel is not chosen on its own either:
+its sizes are the user's, like the other parallel sizes. The choice depends only on the flags,
+the model's config and the devices, so a resumed run gets the same layout.
 """
 
 import importlib.util
@@ -16,6 +20,7 @@ import importlib.util
 from swiftlm.distributed.config import node_range
 from swiftlm.errors import SwiftLMError
 from swiftlm.plan.devices import GIB, GPUS, Cluster, parse_devices
+from swiftlm.plan.layouts import RING, ULYSSES, ulysses_applies
 
 PLANNED_COMMANDS = ("sft", "pt")
 
@@ -30,7 +35,6 @@ def wants_plan(cfg, command: str) -> bool:
         and d.fsdp is None
         and d.tensor_parallel_size == 1
         and d.pipeline_parallel_size == 1
-        and d.sequence_parallel_size == 1  # the plan does not model sequence shards: DDP
         and d.nproc_per_node * node_range(d.nnodes)[1] > 1
         and node_range(d.nnodes)[0] == node_range(d.nnodes)[1]  # elastic jobs stay DDP
         and cfg.train.per_device_train_batch_size >= 1
@@ -68,20 +72,35 @@ def resolve_auto_strategy(cfg, command: str, argv: list[str]) -> list[str]:
     except SwiftLMError as exc:
         print(f"--strategy auto: could not plan ({exc}); using DDP", flush=True)
         return [*_without_strategy(argv), "--strategy", "ddp"]
-    usable = [c for c in plan.candidates if _applicable(c.layout, no_deepspeed)]
-    fitting = [c for c in plan.fitting if _applicable(c.layout, no_deepspeed)]
+    wanted = _asked_sizes(cfg, plan.shape)
+    usable = [c for c in plan.candidates if _applicable(c.layout, no_deepspeed, wanted)]
+    fitting = [c for c in plan.fitting if _applicable(c.layout, no_deepspeed, wanted)]
     if not usable:
-        print("--strategy auto: no data-parallel layout to compare; using DDP", flush=True)
+        print("--strategy auto: no planned layout of these sizes to compare; using DDP", flush=True)
         return [*_without_strategy(argv), "--strategy", "ddp"]
     chosen = fitting[0] if fitting else min(usable, key=lambda c: c.memory.peak)
     runner_up = fitting[1] if len(fitting) > 1 else None
     print(auto_line(chosen, runner_up, fits=bool(fitting), change=plan.change), flush=True)
-    return [*_without_strategy(argv), *chosen.layout.sft_flags()]
+    return [*_without_strategy(argv), *chosen.layout.sharding_flags()]
 
 
-def _applicable(layout, no_deepspeed: bool) -> bool:
-    """A data-parallel layout this environment can run (DeepSpeed only when installed)."""
-    return layout.tp == 1 and layout.pp == 1 and not (no_deepspeed and layout.deepspeed)
+def _asked_sizes(cfg, shape) -> tuple[int, str, int]:
+    """(sequence-parallel size, its attention, expert-parallel size) the flags ask for, the
+    attention resolved as distributed/sequence_parallel.py's `resolve_impl` does: `auto` is
+    Ulysses where the heads divide, else the ring."""
+    d = cfg.dist
+    impl = d.sequence_parallel_impl
+    if impl == "auto":
+        impl = ULYSSES if ulysses_applies(shape, d.sequence_parallel_size) else RING
+    return d.sequence_parallel_size, impl, d.expert_parallel_size
+
+
+def _applicable(layout, no_deepspeed: bool, wanted: tuple[int, str, int]) -> bool:
+    """A layout of the asked sizes, without tensor or pipeline parallel, that this
+    environment can run (DeepSpeed only when installed)."""
+    sp, impl, ep = wanted
+    sizes = (layout.sp, layout.sp_impl if layout.sp > 1 else impl, layout.ep) == (sp, impl, ep)
+    return sizes and layout.tp == 1 and layout.pp == 1 and not (no_deepspeed and layout.deepspeed)
 
 
 def auto_line(chosen, runner_up, fits: bool, change: str) -> str:

@@ -38,12 +38,15 @@ class DeviceSpec:
     allgather_bandwidth: float | None = None
 
     def bandwidth(self, collective: str, spans_nodes: bool = False) -> float:
-        """Bus bandwidth of `collective` ("all_reduce", "reduce_scatter", "all_gather")."""
+        """Bus bandwidth of `collective` ("all_reduce", "reduce_scatter", "all_gather",
+        "all_to_all"). An all-to-all sends (n-1)/n of its buffer per rank, as an all-gather
+        does: on gloo, where the probe measures no all-to-all, it runs at the all-gather's."""
         if spans_nodes:
             return self.inter_bandwidth
         own = {
             "reduce_scatter": self.reduce_scatter_bandwidth,
             "all_gather": self.allgather_bandwidth,
+            "all_to_all": self.allgather_bandwidth,
         }
         return own.get(collective) or self.intra_bandwidth
 

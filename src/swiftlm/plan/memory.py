@@ -28,7 +28,7 @@ CPUs, or the loading of the model if that is higher.
 from dataclasses import dataclass, replace
 
 from swiftlm.plan.devices import DeviceSpec
-from swiftlm.plan.layouts import DDP, FSDP2, ZERO1, ZERO3, Layout
+from swiftlm.plan.layouts import DDP, FSDP2, RING, ZERO1, ZERO3, Layout
 from swiftlm.plan.shape import ModelShape
 
 FP32 = 4
@@ -47,6 +47,9 @@ CPU_HEAP_CHECKPOINTED = 0.4
 # CPUs: oneDNN keeps a packed copy of each weight cast for its bf16 matmuls next to autocast's
 # cast (a full SmolLM2 forward of 16 tokens grows by 0.62 GiB: twice 2 bytes per parameter).
 CPU_CAST_COPIES = 2
+# Ring attention's backward holds a chunk's scores, probabilities, their product with the
+# values and the score gradient at once.
+RING_SCORE_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -156,22 +159,73 @@ def logits_bytes(shape: ModelShape, job: Job) -> float:
     return job.tokens * vocab * (job.compute_bytes + 2 * FP32)
 
 
+def sequence_shard(job: Job, sp: int) -> Job:
+    """The job one rank of a sequence-parallel group runs: ceil(T / sp) tokens of each row
+    plus the look-ahead token that lends the next shard's first label
+    (distributed/sequence_parallel.py); the job itself for sp = 1."""
+    if sp == 1:
+        return job
+    return replace(job, max_length=-(-job.max_length // sp) + 1)
+
+
+def residual_bytes(job: Job) -> int:
+    """Bytes per element of the hidden states between blocks: float32 when the weights train
+    in float32 (full; RoPE's cos/sin are made in it too, so q and k leave RoPE in float32),
+    else the frozen base's compute dtype."""
+    return FP32 if (job.full or job.compute_bytes == FP32) else job.compute_bytes
+
+
+def ring_attention_bytes(shape: ModelShape, shard: Job, layers: int) -> float:
+    """What ring attention (distributed/ring_attention.py, float32 whatever the dtype) holds
+    beyond the fused attention `activation_bytes_per_token` counts: its saved output is
+    float32 in every decoder block; and the working set of the one layer in backward: the
+    float32 queries, output gradient and query gradient; the key/value shard held, its gradients and
+    the same four arriving; the keys and values repeated to the query heads (GQA) and their
+    gradients; and RING_SCORE_CHUNKS chunks of scores, each at most SCORE_ELEMENTS (queries are
+    taken in chunks that small) and at most one block's [B, heads, L, L]."""
+    from swiftlm.distributed.ring_attention import SCORE_ELEMENTS
+
+    tokens = shard.tokens - shard.batch_size  # the look-ahead stays out of attention
+    q, kv = shape.num_heads * shape.head_dim, shape.kv_size
+    saved = (FP32 - shard.compute_bytes) * q * tokens * (1 if shard.checkpointing else layers)
+    repeated = 2 * q if shape.num_heads != shape.num_kv_heads else 0
+    working = FP32 * tokens * (3 * q + 8 * kv + repeated + 2 * q)
+    length = shard.max_length - 1
+    chunk = min(SCORE_ELEMENTS, shard.batch_size * shape.num_heads * length * length)
+    return saved + working + FP32 * RING_SCORE_CHUNKS * chunk
+
+
+def held_share(params: float, experts: float, share: int, ep: int) -> float:
+    """Of `params` (`experts` of them expert weights), what one rank holds of a state split
+    `share` ways over the data-parallel ranks (1: replicated). Expert parallel gives each
+    rank 1/ep of the experts, and FSDP2 leaves those shards out of its units
+    (distributed/expert_parallel.py), so they are 1/ep under DDP and FSDP2 alike."""
+    return (params - experts) / share + experts / ep
+
+
 def estimate_memory(shape: ModelShape, layout: Layout, job: Job, device: DeviceSpec) -> Memory:
     """The memory per device of `layout` (the most loaded device: pipeline stage 0)."""
+    job = sequence_shard(job, layout.sp)
     trained, frozen = _split_parameters(shape, layout)
+    expert_trained, expert_frozen = expert_weights(shape, layout, job)
     frozen_bytes = FP32 if (job.full or job.compute_bytes == FP32) else job.compute_bytes
-    dp = layout.dp
-    opt_share = dp if layout.shards_optimizer else 1
-    grad_share = dp if layout.shards_gradients else 1
-    weight_share = dp if layout.shards_weights else 1
+    ranks, ep = layout.gradient_ranks, layout.ep  # SP's shards reduce with the replicas
+    opt_share = ranks if layout.shards_optimizer else 1
+    grad_share = ranks if layout.shards_gradients else 1
+    weight_share = ranks if layout.shards_weights else 1
+    held_trained = held_share(trained, expert_trained, weight_share, ep)
+    held_frozen = held_share(frozen, expert_frozen, weight_share, ep)
+    local = held_share(trained, expert_trained, 1, ep)  # the trained weights a rank computes
+    bucketed = trained - expert_trained  # DDP leaves the expert shards to their all-reduce
     if layout.deepspeed:  # the engine's module in the compute dtype + a float32 master copy
-        weights = (trained + frozen) * job.compute_bytes / weight_share + FP32 * trained / dp
+        weights = (held_trained + held_frozen) * job.compute_bytes + FP32 * trained / ranks
     else:
-        weights = (trained * FP32 + frozen * frozen_bytes) / weight_share
-    gradients = FP32 * trained / grad_share
+        weights = held_trained * FP32 + held_frozen * frozen_bytes
+    gradients = FP32 * held_share(trained, expert_trained, grad_share, ep)
     if layout.sharding == ZERO1:  # full low-precision gradients, reduced into the fp32 partition
-        gradients = job.compute_bytes * trained + FP32 * trained / dp
-    optimizer = 2 * FP32 * trained / opt_share
+        gradients = job.compute_bytes * trained + FP32 * trained / ranks
+    optimized = held_share(trained, expert_trained, opt_share, ep)
+    optimizer = 2 * FP32 * optimized
     offloaded = 0.0
     if layout.offload:
         offloaded = optimizer + (weights if layout.shards_weights else 0.0)
@@ -179,30 +233,40 @@ def estimate_memory(shape: ModelShape, layout: Layout, job: Job, device: DeviceS
     layers = _layers_on_device(shape, layout)
     in_flight = min(layout.pp, job.grad_accum) if layout.pp > 1 else 1
     activations = activation_bytes(shape, job, layers, layout.tp, in_flight)
+    if layout.sp > 1 and layout.sp_impl == RING:
+        activations += ring_attention_bytes(shape, job, layers)
     if device.kind == "cpu":
         activations += _cpu_heap_retained(shape, job, layers, layout.tp, in_flight)
     cast_copies = 0.0
     gpu_fsdp2 = layout.sharding == FSDP2 and device.kind == "gpu"  # gathers in bf16 itself
     if job.compute_bytes < FP32 and not layout.deepspeed and not gpu_fsdp2:
-        cast_copies = job.compute_bytes * trained  # autocast caches casts of trained leaves
+        cast_copies = job.compute_bytes * local  # autocast caches casts of trained leaves
         if device.kind == "cpu":
             cast_copies *= CPU_CAST_COPIES
     if job.grad_accum > 1:
         activations += gradients  # earlier micro-batches' gradients stay during forward
-    if device.kind == "cpu" and layout.shards_weights and dp > 1:
-        weights += _cpu_unsharded_blocks(shape, layout, job, dp)
+    if device.kind == "cpu" and layout.shards_weights and ranks > 1:
+        weights += _cpu_unsharded_blocks(shape, layout, job, ranks)
     return Memory(
         weights=weights,
         gradients=gradients,
         optimizer=optimizer,
         activations=activations,
         logits=logits_bytes(shape, job) if _holds_head(layout) else 0.0,
-        buffers=_baseline(device, layout) + _comm_buffers(shape, layout, job, trained),
+        buffers=_baseline(device, layout) + _comm_buffers(shape, layout, job, bucketed),
         cast_copies=cast_copies,
-        optimizer_temp=0.0 if layout.offload else FP32 * trained / opt_share,
+        optimizer_temp=0.0 if layout.offload else FP32 * optimized,
         offloaded=offloaded,
         loading=_loading(shape, job, device, layout),
     )
+
+
+def expert_weights(shape: ModelShape, layout: Layout, job: Job) -> tuple[float, float]:
+    """(trained, frozen) stacked expert weights on one device, the part expert parallel
+    splits; LoRA's adapters on experts are counted with the replicated weights (small)."""
+    if layout.ep == 1:
+        return 0.0, 0.0
+    return (shape.expert_params, 0.0) if job.full else (0.0, shape.expert_params)
 
 
 def _split_parameters(shape: ModelShape, layout: Layout) -> tuple[float, float]:
@@ -251,7 +315,9 @@ def _holds_head(layout: Layout) -> bool:
 
 
 def _comm_buffers(shape: ModelShape, layout: Layout, job: Job, trained: float) -> float:
-    if layout.dp == 1:
+    """`trained`: the trained weights whose gradients the engine reduces (not the expert
+    shards, which expert parallel all-reduces over their replicas itself)."""
+    if layout.gradient_ranks == 1:
         return 0.0
     if layout.sharding == DDP:  # DDP copies every gradient into its buckets
         return FP32 * trained + DDP_BUCKET_BYTES

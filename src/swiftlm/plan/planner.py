@@ -44,7 +44,8 @@ class Plan:
     def fitting(self) -> list[Candidate]:
         """The layouts that fit, best first: by step time, except that layouts within
         TIE_TOLERANCE of the fastest (closer than the estimate can tell apart) go simplest
-        first: less state sharded, fewer collectives, fewer engines (SIMPLICITY)."""
+        first: fewer model-parallel ranks, no offload, experts whole, then less state
+        sharded, fewer collectives, fewer engines (SIMPLICITY)."""
         fits = sorted((c for c in self.candidates if c.fits), key=lambda c: c.time.total_s)
         if not fits:
             return []
@@ -62,7 +63,8 @@ class Plan:
 
 def _simplicity(candidate: Candidate) -> tuple:
     layout = candidate.layout
-    return (layout.tp * layout.pp, layout.offload, SIMPLICITY.index(layout.sharding))
+    split = layout.tp * layout.pp * layout.sp  # model-parallel ranks
+    return (split, layout.offload, layout.ep, SIMPLICITY.index(layout.sharding))
 
 
 def memory_budget(cluster: Cluster) -> float:

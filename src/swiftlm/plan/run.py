@@ -85,7 +85,12 @@ def format_plan(plan: Plan) -> str:
     shape, job, cluster = plan.shape, plan.job, plan.cluster
     kind = "full" if job.full else f"LoRA r={job.lora_rank}"
     active = shape.total_params - shape.idle_expert_params
-    experts = f", {active / 1e6:.1f}M used per token" if shape.idle_expert_params else ""
+    experts = ""
+    if shape.num_experts:
+        experts = (
+            f", {shape.num_experts} experts top {shape.experts_per_token} in "
+            f"{shape.moe_layers} layers, {active / 1e6:.1f}M used per token"
+        )
     lines = [
         f"Plan for {shape.name} ({shape.total_params / 1e6:.1f}M parameters{experts}, "
         f"{shape.trainable_params / 1e6:.2f}M trained, {kind}), micro-batch {job.batch_size} x "
@@ -111,11 +116,12 @@ def recommendation_lines(plan: Plan) -> list[str]:
     best, second = plan.best, plan.runner_up
     efficiency = GPU_EFFICIENCY if plan.cluster.device.kind == "gpu" else CPU_EFFICIENCY
     notes = [
-        f"Step time: the same global batch for every layout (TP/PP accumulate more "
+        f"Step time: the same global batch for every layout (TP/PP/SP accumulate more "
         f"micro-batches), at {efficiency:.0%} of the device's matmul FLOP/s, ring collectives "
         "at the link bandwidth. Peak = weights + optimizer + buffers + the larger of "
         "forward/backward (activations, logits) and the optimizer step (gradients). Layouts "
-        f"within {TIE_TOLERANCE:.0%} of the fastest count as ties: the simplest is recommended."
+        f"within {TIE_TOLERANCE:.0%} of the fastest count as ties: the simplest is recommended.",
+        *split_notes(plan),
     ]
     if best is None:
         change = plan.change or "no smaller job found; use bigger devices"
@@ -139,6 +145,27 @@ def recommendation_lines(plan: Plan) -> list[str]:
     return lines + notes
 
 
+def split_notes(plan: Plan) -> list[str]:
+    """What the SP and EP rows mean, when the table has some."""
+    layouts = [c.layout for c in plan.candidates]
+    notes = []
+    if any(layout.sp > 1 for layout in layouts):
+        notes.append(
+            "SPn: n ranks share each row, ceil(max_length / n) + 1 tokens each (a look-ahead "
+            "token lends the next shard's first label); weights and optimizer as under DDP or "
+            "FSDP2 over all ranks. Ulysses: 4 all-to-alls of q, k, v and the output per layer "
+            "forward, 4 backward; ring: n - 1 hops of the keys and values per layer forward, "
+            "with their gradients backward, and the last rank attends every key."
+        )
+    if any(layout.ep > 1 for layout in layouts):
+        notes.append(
+            "EPn: n data-parallel ranks share out each MoE layer's experts (1/n of their "
+            "weights, gradients and optimizer states each), 4 all-to-alls of the routed tokens "
+            "per MoE layer (forward and backward); expert gradients reduced over dp/n replicas."
+        )
+    return notes
+
+
 def plan_json(plan: Plan) -> dict:
     """The plan for machines and the web UI: every layout's terms in bytes and seconds."""
 
@@ -147,6 +174,14 @@ def plan_json(plan: Plan) -> dict:
         return {
             "layout": c.layout.name,
             "flags": c.layout.sft_flags(),
+            "sizes": {
+                "dp": c.layout.dp,
+                "tp": c.layout.tp,
+                "pp": c.layout.pp,
+                "sp": c.layout.sp,
+                "ep": c.layout.ep,
+            },
+            "sequence_parallel_impl": c.layout.sp_impl if c.layout.sp > 1 else None,
             "fits": c.fits,
             "memory_bytes": {
                 "weights": m.weights,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swiftlm.errors import ConfigError, ModelLoadError
-from swiftlm.models.moe import expert_parameters, experts_per_token
+from swiftlm.models.moe import expert_modules, expert_parameters, experts_per_token
 from swiftlm.tuners.config import TunerArguments
 
 
@@ -38,6 +38,13 @@ class ModelShape:
     # Mixture of experts: the stacked expert weights a token does not compute with (all but
     # top_k of each layer's experts). Memory holds them; a token's FLOPs do not count them.
     idle_expert_params: int = 0
+    # Expert parallel splits these: each MoE layer's experts, the stacked expert weights of
+    # all layers (trained or frozen), and the layers that route tokens to experts.
+    num_experts: int = 0
+    experts_per_token: int = 0  # top_k
+    expert_params: int = 0
+    moe_layers: int = 0
+    adapted_experts: bool = False  # LoRA on the stacked experts (expert parallel refuses it)
 
     @property
     def frozen_params(self) -> int:
@@ -111,6 +118,10 @@ def _meta_model(config):
 def count_parameters(config, tuner: TunerArguments) -> tuple[int, int]:
     """(all, trainable) parameters of the model swiftlm would train, built on the meta
     device: exact, including what peft adds for LoRA/DoRA."""
+    return _counts(_model_to_train(config, tuner))
+
+
+def _model_to_train(config, tuner: TunerArguments):
     model = _meta_model(config)
     if tuner.train_type != "full":
         from peft import get_peft_model
@@ -121,9 +132,20 @@ def count_parameters(config, tuner: TunerArguments) -> tuple[int, int]:
         # run itself reports): count with none.
         counted = replace(tuner, lora_dropout=0.0)
         model = get_peft_model(model, build_lora_config(counted))
+    return model
+
+
+def _counts(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
+
+
+def _adapts_experts(model) -> bool:
+    """peft's LoRA reaches the stacked expert weights (its target parameters): adapters that
+    span every expert, which expert parallel cannot split (distributed/expert_parallel.py)."""
+    configs = getattr(model, "peft_config", {}) or {}
+    return any(getattr(config, "target_parameters", None) for config in configs.values())
 
 
 def model_shape(
@@ -145,8 +167,9 @@ def model_shape(
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    total, trainable = count_parameters(config, tuner)
-    base, idle_experts = _base_parameters(config)
+    model = _model_to_train(config, tuner)
+    total, trainable = _counts(model)
+    base, stacked, idle_experts, moe_layers = _base_parameters(config)
     experts, top_k = experts_per_token(config)
     if experts:  # a token runs top_k experts: their width is its MLP's
         width = getattr(text, "moe_intermediate_size", None) or intermediate
@@ -174,12 +197,18 @@ def model_shape(
         layer_trainable_params=layer if tuner.train_type == "full" else adapters // layers,
         checkpoint_bytes=stored_bytes,
         idle_expert_params=idle_experts,
+        num_experts=experts,
+        experts_per_token=top_k,
+        expert_params=stacked,
+        moe_layers=moe_layers,
+        adapted_experts=_adapts_experts(model),
     )
 
 
-def _base_parameters(config) -> tuple[int, int]:
-    """(the base model's parameters, the stacked expert weights a token leaves idle), from
-    one meta-device model."""
+def _base_parameters(config) -> tuple[int, int, int, int]:
+    """(the base model's parameters, its stacked expert weights, the share of them a token
+    leaves idle, the MoE layers), from one meta-device model."""
     model = _meta_model(config)
     stacked, active, _ = expert_parameters(model)
-    return sum(p.numel() for p in model.parameters()), stacked - active
+    total = sum(p.numel() for p in model.parameters())
+    return total, stacked, stacked - active, len(expert_modules(model)) if stacked else 0
