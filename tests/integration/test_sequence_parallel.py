@@ -3,7 +3,7 @@ one process on the same micro-batches, in every layout, and resumes exactly."""
 
 import pytest
 
-from conftest import logged, stopped_at, tiny_sft
+from conftest import logged, stopped_at, text_corpus, tiny_sft
 from swiftlm.cli.main import main
 from tolerance import assert_close, assert_same_weights, assert_trained_weights_close, forward_terms
 
@@ -87,6 +87,24 @@ def test_sequence_shards_inside_tensor_parallel_groups_match_one_process(
     assert "sequence parallel 2: ring attention" in out
     assert "tensor parallel 2 x sequence parallel 2" in out
     assert_close(logged(shards), logged(single), terms=TERMS + 2, what="loss")
+    assert logged(shards, "label_tokens") == logged(single, "label_tokens")
+    assert_trained_weights_close(
+        single / "final" / ADAPTER, shards / "final" / ADAPTER, learning_rate=1e-2, steps=4
+    )
+
+
+@pytest.mark.numerics
+def test_pretraining_on_the_ring_matches_one_process(tiny_model_dir, tmp_path):
+    """`swiftlm pt` cuts the joined documents into rows of --max_length chunks; the ring
+    attends each row causally across the two shards."""
+    docs = text_corpus(tmp_path / "docs.jsonl", documents=40, seed=3)
+    single, shards = tmp_path / "single", tmp_path / "sp"
+    flags = dict(RUN, max_length=96)
+    assert main(["pt", *tiny_sft(tiny_model_dir, docs, single, **flags)[1:]]) == 0
+    sp = dict(nproc_per_node=2, sequence_parallel_size=2, sequence_parallel_impl="ring")
+    argv = tiny_sft(tiny_model_dir, docs, shards, **flags, **sp, master_port=29558)
+    assert main(["pt", *argv[1:]]) == 0
+    assert_close(logged(shards), logged(single), terms=forward_terms(tokens=96) + 2, what="loss")
     assert logged(shards, "label_tokens") == logged(single, "label_tokens")
     assert_trained_weights_close(
         single / "final" / ADAPTER, shards / "final" / ADAPTER, learning_rate=1e-2, steps=4
