@@ -27,7 +27,12 @@ CALIBRATED_BITS = {"gptq": (4, 8), "awq": (4,)}  # the first is the default
 GROUP_SIZES = (32, 64, 128)  # torchao's int4 kernels and AWQ's packed GEMM take these only
 # Shorter samples carry too few activations to matter (gptqmodel drops those under 10 too).
 MIN_CALIBRATION_TOKENS = 10
-FORMAT_FLAGS = {"gguf": "--to_gguf", "quantized": "--quant_method", "onnx": "--to_onnx"}
+FORMAT_FLAGS = {
+    "gguf": "--to_gguf",
+    "quantized": "--quant_method",
+    "onnx": "--to_onnx",
+    "merged_models": "--merge_models",
+}
 
 
 def export_formats(c: ExportConfig) -> list[str]:
@@ -37,6 +42,7 @@ def export_formats(c: ExportConfig) -> list[str]:
         "gguf": e.to_gguf or e.to_ollama,
         "quantized": c.quant.quant_method is not None,
         "onnx": e.to_onnx,
+        "merged_models": bool(e.merge_models),
     }
     return [name for name, on in asked.items() if on]
 
@@ -75,7 +81,36 @@ EXPORT_RULES = (
         "something_to_export",
         lambda c, f: not export_formats(c) and not c.export.merge_lora,
         "nothing to export: pass --merge_lora, --to_gguf (--to_ollama), --quant_method "
-        "bnb|int8|int4|gptq|awq, or --to_onnx",
+        "bnb|int8|int4|gptq|awq, --to_onnx, or --merge_models",
+    ),
+    Rule(
+        "merge_models_over_model",
+        lambda c, f: bool(c.export.merge_models) and bool(c.infer.ckpt_dir or c.infer.adapters),
+        "--merge_models merges its models over --model (their common base); --ckpt_dir and "
+        "--adapters name another model: drop them, and list adapters in --merge_models",
+    ),
+    Rule(
+        "merge_weights_per_model",
+        lambda c, f: (
+            c.export.merge_weights is not None
+            and len(c.export.merge_weights) != len(c.export.merge_models)
+        ),
+        lambda c, f: (
+            f"--merge_weights has {len(c.export.merge_weights)} values for "
+            f"{len(c.export.merge_models)} --merge_models: give one weight per model"
+        ),
+    ),
+    Rule(
+        "slerp_of_two_models",
+        lambda c, f: (
+            bool(c.export.merge_models)
+            and c.export.merge_method == "slerp"
+            and len(c.export.merge_models) != 2
+        ),
+        lambda c, f: (
+            f"--merge_method slerp interpolates between two models, and --merge_models lists "
+            f"{len(c.export.merge_models)}: give two (merge more with linear, ties or dare_ties)"
+        ),
     ),
     Rule(
         "export_output_dir_given",

@@ -6,7 +6,8 @@ One format per command:
 - `--to_gguf` (`--to_ollama` adds a Modelfile): one GGUF file (`export/gguf.py`);
 - `--quant_method bnb|int8|int4|gptq|awq`: a quantized Hugging Face folder
   (`export/quantize.py`);
-- `--to_onnx`: an ONNX model (`export/onnx.py`).
+- `--to_onnx`: an ONNX model (`export/onnx.py`);
+- `--merge_models`: several fine-tunes of --model merged into one (`export/model_merge.py`).
 
 A LoRA run is merged first for every format (`export/source.py`).
 """
@@ -73,6 +74,10 @@ def run(cfg: ExportConfig) -> dict:
     out = output_folder(cfg)
     if fmt == "merged":
         return _export_merged(cfg, out)
+    if fmt == "merged_models":
+        from swiftlm.export.model_merge import merge_models
+
+        return merge_models(cfg, out)
     module = importlib.import_module(FORMAT_MODULES[fmt])
     module.validate(cfg)
     from swiftlm.export.source import export_source
