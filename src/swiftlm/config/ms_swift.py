@@ -150,7 +150,7 @@ UNSUPPORTED = {
     "new_special_tokens": "add them to the tokenizer and save it with the model",
     "num_labels": "reward models (`rlhf --rlhf_type rm`) have one output",
     "hub_token": "set HF_TOKEN in the environment",
-    "tuner_backend": "swiftlm's tuners are peft's LoRA/DoRA",
+    "tuner_backend": "swiftlm's tuners are peft's (--train_type lora, dora, vera, loha, ...)",
     # data and template
     "columns": "rename the columns in the file, or register a dataset format plugin",
     "custom_dataset_info": "give files with --dataset, or register a dataset format plugin",
@@ -165,16 +165,14 @@ UNSUPPORTED = {
     "packing_length": "packed rows are --max_length long",
     "packing_strategy": "packing is best-fit decreasing",
     # tuners and optimizer
-    "init_weights": "LoRA starts from peft's default initialisation",
     "target_regex": "give module name suffixes with --target_modules",
     "lora_bias": "LoRA adapters have no bias",
     "lora_dtype": "adapters train in the model's --torch_dtype",
-    "lorap_lr_ratio": "LoRA+ is not available",
-    "use_galore": "GaLore is not available; use LoRA or --freeze_parameters",
-    "lisa_activated_layers": "LISA is not available; use --freeze_parameters",
+    "use_galore": "use --optim galore_adamw (--optim_args rank=...,update_proj_gap=..., "
+    "--optim_target_modules)",
     "neftune_noise_alpha": "NEFTune is not available",
-    "optimizer": "swiftlm trains with AdamW (--adam_beta1/--adam_beta2/--weight_decay)",
-    "optim": "swiftlm trains with AdamW (--adam_beta1/--adam_beta2/--weight_decay)",
+    "optimizer": "give transformers' optimizer name with --optim (adamw_torch, adafactor, "
+    "muon, galore_adamw, ...)",
     "vit_lr": "the vision tower trains at --learning_rate (or stays frozen: --freeze_vit)",
     "aligner_lr": "the aligner trains at --learning_rate (or stays frozen: --freeze_aligner)",
     "trainable_parameters": "train all with --train_type full and freeze with --freeze_parameters",

@@ -14,8 +14,10 @@ from swiftlm.config.rules_export import (
     CKPT_DIR_OR_ADAPTERS_RULE,
     EXPORT_RULES,
 )
+from swiftlm.config.rules_optim import OPTIM_RULES
 from swiftlm.config.rules_run_dir import RUN_DIR_RULES
 from swiftlm.config.rules_streaming import STREAMING_RULES
+from swiftlm.config.rules_tuners import TUNER_RULES
 from swiftlm.distributed.config import DistArguments, node_range
 from swiftlm.errors import ConfigError
 from swiftlm.train.config import AUTO_BATCH_SIZE
@@ -522,7 +524,9 @@ RULES: dict[type, tuple[Rule, ...]] = {
     + SEQUENCE_PARALLEL_RULES
     + EXPERT_PARALLEL_RULES
     + TRAIN_EVAL_RULES
-    + STREAMING_RULES,
+    + STREAMING_RULES
+    + OPTIM_RULES
+    + TUNER_RULES,
     InferConfig: INFER_RULES,
     EvalConfig: EVAL_RULES,
     ExportConfig: EXPORT_RULES,

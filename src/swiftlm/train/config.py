@@ -10,6 +10,78 @@ from typing import Literal
 
 from swiftlm.config.checks import above, at_least, check_fields, custom, within
 from swiftlm.config.sections import doc
+from swiftlm.errors import ConfigError
+
+# ---- --optim: the optimizers (transformers' `TrainingArguments.optim` names where it has one)
+# and the settings each takes through `--optim_args key=value,...`; checked when the section is
+# built, before anything loads (`train.optim` builds them).
+# name -> the --optim_args it takes and their defaults (the defaults transformers uses for the
+# same name; Muon's are torch.optim.Muon's, with its learning rate matched to AdamW's).
+OPTIM_SETTINGS: dict[str, dict[str, object]] = {
+    "adamw_torch": {},
+    "adamw_torch_fused": {},
+    "adamw_8bit": {},
+    "paged_adamw_8bit": {},
+    "adafactor": {},
+    "muon": {"momentum": 0.95, "nesterov": True, "ns_steps": 5},
+    "schedule_free_adamw": {"weight_lr_power": 2.0, "r": 0.0},
+    "galore_adamw": {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"},
+    "apollo_adamw": {
+        "rank": 128,
+        "proj": "random",
+        "scale_type": "channel",
+        "update_proj_gap": 200,
+        "scale": 1.0,
+        "proj_type": "std",
+    },
+}
+OPTIM_NAMES = tuple(OPTIM_SETTINGS)
+DEFAULT_OPTIM = "adamw_torch"
+
+# Optimizers whose projections apply to full weight matrices' gradients: --train_type full.
+LOW_RANK_PROJECTION = ("galore_adamw", "apollo_adamw")
+# Optimizers whose update kernels work on DTensor parameters (FSDP2, tensor parallel): checked
+# by stepping each on sharded parameters. bitsandbytes' kernels, Adafactor's factored moments
+# and GaLore/APOLLO's projections mix DTensors with plain tensors and fail inside step().
+DTENSOR_CAPABLE = ("adamw_torch", "adamw_torch_fused", "muon", "schedule_free_adamw")
+# DeepSpeed flattens the parameters into 1-D partitions before the optimizer sees them, so only
+# an elementwise optimizer gives the same update there.
+DEEPSPEED_CAPABLE = ("adamw_torch", "adamw_torch_fused")
+
+
+def parse_optim_args(optim: str, text: str | None) -> dict[str, object]:
+    """`--optim_args` ("rank=64,update_proj_gap=50") over `optim`'s defaults, each value
+    converted to its default's type. ConfigError naming the key and the accepted ones."""
+    settings = dict(OPTIM_SETTINGS[optim])
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or key not in settings:
+            raise ConfigError(_unknown(optim, item, key if sep else None))
+        settings[key] = _typed(optim, key, value, settings[key])
+    return settings
+
+
+def _unknown(optim: str, item: str, key: str | None) -> str:
+    accepted = ", ".join(OPTIM_SETTINGS[optim]) or "none"
+    what = f"`{item}` is not key=value" if key is None else f"`{key}` is not a setting of it"
+    return f"--optim_args for --optim {optim}: {what}; it takes {accepted}"
+
+
+def _typed(optim: str, key: str, value: str, default: object) -> object:
+    try:
+        if isinstance(default, bool):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(value)
+            return value.lower() == "true"
+        return type(default)(value)
+    except ValueError:
+        raise ConfigError(
+            f"--optim_args for --optim {optim}: {key}={value} must be a "
+            f"{type(default).__name__} (default {default})"
+        ) from None
+
 
 # `--per_device_train_batch_size auto` is stored as this value until the model has loaded.
 AUTO_BATCH_SIZE = 0
@@ -59,6 +131,26 @@ class TrainArguments:
         "Learning-rate decay after warmup.", default="cosine"
     )
     warmup_ratio: float = doc("Fraction of steps with linear warmup.", default=0.0)
+    optim: Literal[OPTIM_NAMES] = doc(
+        "The optimizer (transformers' names): adamw_torch, adamw_torch_fused, adamw_8bit and "
+        "paged_adamw_8bit (bitsandbytes), adafactor, muon (torch.optim.Muon on the hidden "
+        "weight matrices, AdamW on the rest), schedule_free_adamw (swiftlm[optimizers]; the "
+        "schedule is constant, its warmup --warmup_ratio), galore_adamw and apollo_adamw "
+        "(swiftlm[optimizers]; --train_type full). See docs/training.md#optimizers.",
+        default=DEFAULT_OPTIM,
+    )
+    optim_args: str | None = doc(
+        "Settings of --optim as key=value,... (transformers' format), e.g. "
+        "'rank=64,update_proj_gap=50' for galore_adamw; each optimizer's keys and defaults "
+        "are in docs/training.md#optimizers.",
+        default=None,
+    )
+    optim_target_modules: list[str] | None = doc(
+        "galore_adamw / apollo_adamw: the linear layers whose weight gradients are projected, "
+        "as regexes matched against module names (the rest train with plain AdamW). Default: "
+        "the attention and MLP layers (names containing attn or mlp).",
+        default=None,
+    )
     weight_decay: float = doc("AdamW weight decay (not applied to biases and norms).", default=0.1)
     adam_beta1: float = doc("AdamW beta1.", default=0.9)
     adam_beta2: float = doc("AdamW beta2.", default=0.95)
@@ -136,6 +228,7 @@ class TrainArguments:
             max_tokens_per_batch=at_least(0, note="0: a fixed --per_device_train_batch_size"),
             router_aux_loss_coef=at_least(0, note="0 leaves the load-balancing loss out"),
         )
+        parse_optim_args(self.optim, self.optim_args)  # a bad key or value: ConfigError now
 
 
 @dataclass

@@ -38,7 +38,9 @@ from swiftlm.train.nonfinite import NonFiniteLossError, describe_nonfinite, firs
 from swiftlm.train.observe import Observer
 from swiftlm.train.optim import build_optimizer, build_scheduler
 from swiftlm.train.preemption import PreemptionWatch
+from swiftlm.train.schedule_free import averaged_weights, final_weights, training_weights
 from swiftlm.train.window import LogWindow, StepResult, mfu_metric
+from swiftlm.tuners.hooks import TunerHooks
 
 __all__ = ["NonFiniteLossError", "TrainingJob", "run_training"]
 
@@ -70,6 +72,7 @@ class TrainingJob:
     checkpoint_tiers: object | None = None  # checkpoint.tiers.Tiers, set on resume
     callbacks: TrainCallbacks | None = None  # plugins' callbacks, set by run_training
     routers: RouterRecorder | None = None  # a mixture-of-experts model's routers
+    tuner_hooks: TunerHooks | None = None  # LoRA+'s check, LISA's sampling, PiSSA's final
 
 
 class Precision:
@@ -396,13 +399,18 @@ def run_training(job: TrainingJob) -> dict:
     """Train to the planned number of steps; return the run summary."""
     args, out = job.args, job.output
     num_steps, per_epoch = plan_steps(job)
-    optimizer = build_optimizer(job.model, args)
+    optimizer = build_optimizer(job.model, args, num_steps)
+    if job.tuner_hooks:
+        job.tuner_hooks.optimizer_built(optimizer)
     # The schedule drives the plain optimizer's learning rate; an engine that wraps the
     # optimizer (DeepSpeed) reads it from the same param groups.
     scheduler = build_scheduler(optimizer, args, num_steps)
     job.model, optimizer = job.strategy.attach_optimizer(job.model, optimizer)
     precision = Precision(job.device, job.compute_dtype)
     state = loop_state.resume(job, optimizer, scheduler, precision.scaler)
+    if job.tuner_hooks:  # LISA: the layers of the resumed step's window
+        job.tuner_hooks.start(state.step)
+    training_weights(optimizer)  # schedule-free: saved at its averaged weights (see below)
     main = job.strategy.ctx.is_main
     metrics = MetricsLogger(job.run_dir, out.report_to, resume=state.step > 0, enabled=main)
     job.observer = observer = Observer(job, num_steps, resume=state.step > 0)
@@ -429,6 +437,8 @@ def run_training(job: TrainingJob) -> dict:
                     job, optimizer, scheduler, precision, result, state, batches
                 )
             state.step, state.position = state.step + 1, next_position
+            if job.tuner_hooks:  # LISA: a new window's layers
+                job.tuner_hooks.step_end(state.step)
             state.tokens_seen += result.input_tokens
             state.label_tokens_seen += result.label_tokens
             state.last_loss = result.loss
@@ -445,12 +455,13 @@ def run_training(job: TrainingJob) -> dict:
                 if histograms:
                     metrics.log_histograms(histograms)
             if (job.val_data or job.evaluator) and (state.step % eval_every == 0 or last):
-                with observer.phase("evaluation"):
+                with observer.phase("evaluation"), averaged_weights(optimizer):
                     evaluated = run_evaluations(job, precision, state)
                 metrics.log({"step": state.step, **evaluated})
                 progress.write(describe_evaluation(state.step, evaluated))
             state.train_seconds = time.perf_counter() - started
             save_due_checkpoint(job, optimizer, scheduler, precision, state, last, preemption)
+        final_weights(optimizer)  # final/ holds a schedule-free optimizer's averaged weights
     finally:
         preemption.restore()
         steps.close()  # the prefetch thread, if any
@@ -480,7 +491,7 @@ def save_due_checkpoint(job, optimizer, scheduler, precision, state, last, preem
     just did. A signal during the last step lets the run end as planned."""
     tier = loop_state.checkpoint_due(job, state.step, last)  # run dir, local tier, None
     if tier:
-        with job.observer.phase("checkpoint"):
+        with job.observer.phase("checkpoint"), averaged_weights(optimizer, not last):
             loop_state.save(job, optimizer, scheduler, precision.scaler, state, last, tier)
         job.callbacks.saved(state, tier)
     if last:
@@ -488,7 +499,8 @@ def save_due_checkpoint(job, optimizer, scheduler, precision, state, last, preem
     saved = tier == loop_state.RUN_TIER  # a local-tier copy may not outlive preemption
 
     def save() -> None:
-        loop_state.save(job, optimizer, scheduler, precision.scaler, state)
+        with averaged_weights(optimizer):
+            loop_state.save(job, optimizer, scheduler, precision.scaler, state)
         job.callbacks.saved(state, loop_state.RUN_TIER)
 
     preemption.stop_if_signalled(job, state.step, saved, save)

@@ -65,6 +65,10 @@ MUST_MATCH = {
     "target_modules": _adapters,
     "use_rslora": _adapters,
     "modules_to_save": _adapters,
+    "init_weights": _adapters,  # PiSSA/OLoRA: the residual base the adapter was trained on
+    "lorap_lr_ratio": _adapters,  # the optimizer's param groups
+    "lisa_activated_layers": _always,  # which layers each step trains
+    "lisa_step_interval": _always,
     "quant_method": _always,
     "quant_bits": _always,
     "bnb_4bit_quant_type": _always,
@@ -84,6 +88,9 @@ MUST_MATCH = {
     "max_tokens_per_batch": _always,
     "padding_free": _token_budget,
     # What the optimizer state restores, and the schedule's shape.
+    "optim": _always,
+    "optim_args": _always,
+    "optim_target_modules": _always,
     "learning_rate": _always,
     "lr_scheduler_type": _always,
     "warmup_ratio": _always,

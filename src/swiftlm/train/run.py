@@ -40,6 +40,7 @@ from swiftlm.train.prepare import (
     report_data_health,
 )
 from swiftlm.train.resolve import resolve_auto_batch, resolve_config, run_facts
+from swiftlm.tuners.hooks import TunerHooks
 from swiftlm.tuners.setup import count_parameters
 
 
@@ -86,6 +87,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
         cfg, resolved.path, device, compute_dtype, method.model_kind, tokenizer.pad_token_id, log
     )
     _describe_model(cfg, model, log)
+    tuner_hooks = TunerHooks(model, cfg.tuner, cfg.train.seed, log)  # before any step/resume
     routers = build_router_recorder(
         model, cfg.train.router_aux_loss_coef, strategy.pipeline_parallel, resolved.requested
     )
@@ -129,6 +131,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
         evaluator=evaluator,
         best=BestCheckpoint(cfg.evaluation) if cfg.evaluation.metric_for_best_model else None,
         routers=routers,
+        tuner_hooks=tuner_hooks,
     )
     summary = _train_and_save(job)
     log(format_summary(summary))
@@ -162,6 +165,8 @@ def _train_and_save(job: TrainingJob) -> dict:
         job.strategy.save_final(job.model, job.tokenizer, job.run_dir / "final")
         summary["output"] = str(job.run_dir / "final")
         if job.strategy.ctx.is_main:
+            if job.tuner_hooks:  # PiSSA/OLoRA: final/ as a plain LoRA of the original model
+                job.tuner_hooks.final_saved(job.run_dir / "final")
             write_summary(job.run_dir, summary)
     finally:
         if job.heartbeat:

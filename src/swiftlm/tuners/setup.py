@@ -1,25 +1,37 @@
-"""Make the right parameters trainable: full fine-tuning, or LoRA / DoRA / rsLoRA via peft."""
+"""Make the right parameters trainable: full fine-tuning, or LoRA / DoRA / rsLoRA (any
+--init_weights) or another peft tuner (VeRA, LoHa, LoKr, OFT, BOFT, IA3) via peft."""
 
 from swiftlm.errors import ConfigError
 from swiftlm.models.loader import CAUSAL_LM, SEQUENCE_CLASSIFICATION
 from swiftlm.models.quant import logical_numel
 from swiftlm.tuners.config import TunerArguments
+from swiftlm.tuners.init_weights import peft_init_lora_weights
+from swiftlm.tuners.peft_configs import build_tuner_config
 
 # peft's task type per model kind. SEQ_CLS also trains the new `score` head in full (peft adds
 # it to modules_to_save) and saves it with the adapter, so the adapter alone is the reward model.
 PEFT_TASK_TYPES = {CAUSAL_LM: "CAUSAL_LM", SEQUENCE_CLASSIFICATION: "SEQ_CLS"}
 
 
-def build_lora_config(args: TunerArguments, kind: str = CAUSAL_LM, parts: dict | None = None):
-    """`parts`: a vision-language model's trainable module names (vision_parts), which the
-    adapters and fully trained modules are limited to."""
-    from peft import LoraConfig
-
+def _targets(args: TunerArguments, parts: dict | None):
+    """(target_modules, modules_to_save) as peft takes them."""
     targets = args.target_modules
     target_modules = "all-linear" if targets in (["all-linear"], ["all"]) else list(targets)
     modules_to_save = list(args.modules_to_save) or None
     if parts is not None:
         target_modules, modules_to_save = parts["lora"], parts["full"] + list(args.modules_to_save)
+    return target_modules, modules_to_save or None
+
+
+def build_lora_config(args: TunerArguments, kind: str = CAUSAL_LM, parts: dict | None = None):
+    """The peft config of the run's adapter tuner (LoRA/DoRA, or the one --train_type names).
+    `parts`: a vision-language model's trainable module names (vision_parts), which the
+    adapters and fully trained modules are limited to."""
+    from peft import LoraConfig
+
+    target_modules, modules_to_save = _targets(args, parts)
+    if args.train_type not in ("lora", "dora"):
+        return build_tuner_config(args, PEFT_TASK_TYPES[kind], target_modules, modules_to_save)
     return LoraConfig(
         task_type=PEFT_TASK_TYPES[kind],
         r=args.lora_rank,
@@ -28,7 +40,8 @@ def build_lora_config(args: TunerArguments, kind: str = CAUSAL_LM, parts: dict |
         target_modules=target_modules,
         use_dora=args.train_type == "dora",
         use_rslora=args.use_rslora,
-        modules_to_save=modules_to_save or None,
+        modules_to_save=modules_to_save,
+        init_lora_weights=peft_init_lora_weights(args.init_weights),
     )
 
 
@@ -48,6 +61,12 @@ def apply_tuner(model, args: TunerArguments, kind: str = CAUSAL_LM, vision_type:
         return get_peft_model(model, build_lora_config(args, kind, parts))
     except ValueError as exc:  # peft says which target modules it could not find
         targets = " ".join(args.target_modules)
+        if args.train_type in ("oft", "boft") and "block" in str(exc).lower():
+            raise ConfigError(
+                f"--lora_rank {args.lora_rank}: --train_type {args.train_type} uses it as the "
+                "size of its orthogonal blocks, which must divide the input width of every "
+                f"targeted layer ({exc}); give a divisor of those widths (e.g. 8, 16 or 32)"
+            ) from None
         if "lora_dropout" in str(exc):  # peft's LoRA on stacked MoE expert weights
             raise ConfigError(
                 f"--lora_dropout {args.lora_dropout}: --target_modules {targets} reaches the "
