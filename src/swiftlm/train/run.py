@@ -64,15 +64,7 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     log = log if ctx.is_main else _silent
     device = pick_device(cfg.model.device, ctx.local_rank)
     compute_dtype = pick_dtype(cfg.model.torch_dtype, device)
-    # Rank 0 checks every path and settles the run directory (new, cleared, versioned or
-    # resumed) before a model is even found, so a typo costs a second; every rank follows it.
-    cfg = prepare_run(cfg, method_cls, ctx, device, log) if ctx.is_main else None
-    cfg = ctx.broadcast_object(cfg)
-    resolved = resolve_model(cfg.model.model) if ctx.is_main else None
-    resolved = ctx.broadcast_object(resolved)  # rank 0 converts a GGUF once; others reuse it
-    # Resolved once, on rank 0, for every rank (the default run directory has a timestamp).
-    cfg = resolve_config(cfg, method_cls, resolved.name, device) if ctx.is_main else None
-    cfg = ctx.broadcast_object(cfg)
+    cfg, resolved = _settled_config(cfg, method_cls, ctx, device, log)
     run_dir = Path(cfg.output.output_dir)
     strategy = build_strategy(cfg.dist, ctx, device, compute_dtype, cfg.train, cfg.data.max_length)
     log(
@@ -136,6 +128,19 @@ def run_method(cfg: TrainConfig, method_cls, log=print) -> dict:
     summary = _train_and_save(job)
     log(format_summary(summary))
     return summary
+
+
+def _settled_config(cfg: TrainConfig, method_cls, ctx, device, log):
+    """(the run's final config, its resolved model), decided on rank 0 and followed by every
+    rank: rank 0 checks every path and settles the run directory (new, cleared, versioned or
+    resumed) before a model is even found, so a typo costs a second; it converts a GGUF model
+    once; and it resolves the config (the default run directory has a timestamp)."""
+    cfg = prepare_run(cfg, method_cls, ctx, device, log) if ctx.is_main else None
+    cfg = ctx.broadcast_object(cfg)
+    resolved = resolve_model(cfg.model.model) if ctx.is_main else None
+    resolved = ctx.broadcast_object(resolved)
+    cfg = resolve_config(cfg, method_cls, resolved.name, device) if ctx.is_main else None
+    return ctx.broadcast_object(cfg), resolved
 
 
 def _describe_model(cfg: TrainConfig, model, log) -> None:
